@@ -1,0 +1,17 @@
+"""celery-prio: three-tier GPU-time scheduling for existing Celery apps.
+
+    import celery_prio
+    celery_prio.install(app)
+
+Tasks keep calling ``.delay()``; pick a tier with ``@app.task(tier="realtime")``
+or ``task.apply_async(..., tier="batch")``.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError, QueueFull
+from .install import install, settings_for
+from .tiers import TIERS, Tier, parse_tier
+
+__all__ = ["install", "settings_for", "QueueFull", "ConfigError", "Tier", "TIERS", "parse_tier"]
+__version__ = "0.1.0"

@@ -1,0 +1,72 @@
+"""The Celery app the benchmark starts workers of, in one of three modes.
+
+BENCH_MODE selects how the same tasks are queued and fetched:
+  fifo   - plain Celery, one queue, default prefetch
+  native - plain Celery, broker-native priorities, prefetch 1 + acks_late
+  prio   - celery-prio installed (three tier queues, scheduler fetch)
+Tasks sleep for the given time (standing in for GPU time) and append
+``tier sent start end`` to a Redis list, from which the benchmark computes
+latency, throughput and progress.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+from kombu import Exchange, Queue
+
+import celery_prio
+
+MODES = ("fifo", "native", "prio")
+# Broker-native priority values per tier. RabbitMQ: higher is more urgent;
+# kombu's Redis emulation polls priority 0 first, so lower is more urgent.
+NATIVE_PRIORITY = {
+    "amqp": {"realtime": 9, "batch": 5, "offline": 0},
+    "redis": {"realtime": 0, "batch": 5, "offline": 9},
+}
+
+
+def make_app(mode: str, broker: str, prefix: str, record_url: str, **prio_settings) -> Celery:
+    if mode not in MODES:
+        raise ValueError(f"unknown benchmark mode {mode!r}; valid: {', '.join(MODES)}")
+    app = Celery(f"bench-{mode}", broker=broker, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_ignore_result=True,
+        worker_redirect_stdouts=False,
+    )
+    if mode == "prio":
+        celery_prio.install(app, queue_prefix=prefix, **prio_settings)
+    else:
+        name = f"{prefix}.fifo"
+        args = {"x-max-priority": 10} if mode == "native" else None
+        app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name, queue_arguments=args)]
+        app.conf.task_default_queue = name
+        if mode == "native":
+            app.conf.worker_prefetch_multiplier = 1
+            app.conf.task_acks_late = True
+    recorder = redis.Redis.from_url(record_url)
+    key = f"{prefix}:records"
+
+    @app.task(shared=False, name="bench.work")
+    def work(tier: str, sent: float, seconds: float) -> None:
+        start = time.time()
+        if seconds:
+            time.sleep(seconds)
+        recorder.rpush(key, f"{tier} {sent} {start} {time.time()}")
+
+    return app
+
+
+def __getattr__(name: str) -> Celery:
+    # ``celery -A celery_prio.benchapp worker`` asks for ``app``.
+    if name == "app":
+        env = os.environ
+        built = make_app(env["BENCH_MODE"], env["BENCH_BROKER"], env["BENCH_PREFIX"], env["BENCH_RECORD"])
+        globals()["app"] = built
+        return built
+    raise AttributeError(name)

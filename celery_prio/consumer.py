@@ -1,0 +1,381 @@
+"""Worker side: a Consumer whose task fetch is driven by the tier scheduler.
+
+Celery's default Tasks step subscribes to every queue with ``basic.consume``
+and lets the broker push up to ``prefetch`` messages; once those sit in the
+worker, priorities are gone (celery #4819, #6500). Here nothing is pushed:
+for every free pool slot the scheduler names a tier and one message is
+pulled from it with ``basic_get`` (RabbitMQ and Redis alike). The message
+then goes through Celery's own strategy/Request/pool path, so acks,
+retries, ETA, revokes, rate and time limits behave exactly as before.
+
+The wiring is thin on purpose; the decisions live in ``scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import bootsteps
+from celery.utils.log import get_logger
+from celery.worker import state as worker_state
+from celery.worker.consumer import Consumer
+from celery.worker.consumer.control import Control
+from celery.worker.consumer.mingle import Mingle
+from kombu.common import QoS
+from kombu.serialization import prepare_accept_content
+
+from .brokers.redis import RESTORE_INTERVAL, restore_expired_unacked
+from .install import settings_for
+from .scheduler import TierScheduler
+from .settings import PrioSettings
+from .tiers import TIERS, Tier
+
+logger = get_logger(__name__)
+
+# Back-off while every served tier is empty: start fast so a burst after a
+# short lull is picked up at once, settle at ``prio_poll_interval`` so an
+# idle worker makes a bounded number of broker calls per second.
+MIN_BACKOFF_FRACTION = 1 / 16
+RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
+
+
+class TierFetcher:
+    """Pulls one message per free slot from the tier the scheduler picks.
+
+    It stands where Celery keeps ``consumer.task_consumer`` and quacks like a
+    ``kombu.Consumer`` (``queues``, ``add_queue``, ``cancel_by_queue``,
+    ``consuming_from``, ``consume``, ``cancel``, ``close``), so
+    ``inspect active_queues``, ``add_consumer``/``cancel_consumer``, warm
+    shutdown and Flower keep working.
+    """
+
+    def __init__(self, consumer: Consumer, settings: PrioSettings) -> None:
+        self.c = consumer
+        self.settings = settings
+        self.hub = consumer.hub
+        if self.hub is None:
+            raise RuntimeError(
+                "celery-prio needs Celery's event loop (prefork, threads or solo pool); "
+                "gevent/eventlet pools are not supported"
+            )
+        app = consumer.app
+        # A channel of our own: basic_get round trips and the acks of the
+        # messages they return live on it.
+        self.channel = consumer.connection.channel()
+        self.accept = prepare_accept_content(app.conf.accept_content)
+        self.queues: list[Any] = []
+        self.on_message = None  # set by Celery's loop to its task handler
+        self.active = False
+        concurrency = self._concurrency()
+        self.scheduler = TierScheduler(
+            weights=settings.weights,
+            concurrency=concurrency,
+            reserve=settings.effective_reserve(concurrency),
+            min_share=settings.min_share,
+            mode=settings.scheduler,
+        )
+        self.inflight: dict[Any, tuple[Tier, float, float]] = {}
+        self._fetching: Tier | None = None
+        self._rr: dict[Tier, int] = {t: 0 for t in TIERS}
+        self._timer = None
+        self._backoff = settings.poll_interval * MIN_BACKOFF_FRACTION
+        self.broker_calls = 0
+        self._housekeeping: list[Any] = []
+        self._reap_scheduled = False
+        for queue in app.amqp.queues.consume_from.values():
+            self.add_queue(queue)
+
+    # -- kombu.Consumer look-alike ------------------------------------------
+    def add_queue(self, queue: Any) -> Any:
+        if not self.consuming_from(queue.name):
+            queue = queue.bind(self.channel)
+            queue.declare()
+            self.queues.append(queue)
+            self._update_served()
+        return queue
+
+    def consuming_from(self, queue: Any) -> bool:
+        name = getattr(queue, "name", queue)
+        return any(q.name == name for q in self.queues)
+
+    def cancel_by_queue(self, queue: str) -> None:
+        self.queues = [q for q in self.queues if q.name != queue]
+        self._update_served()
+
+    def consume(self, no_ack: bool | None = None) -> None:
+        if not self.active:
+            self.active = True
+            self.hub.call_soon(self.pump)
+            # Safety net for requests that end without a pool callback
+            # (revoked before they ran, cancelled): retire them anyway.
+            self._housekeeping.append(self.hub.call_repeatedly(RECONCILE_INTERVAL, self._reap_and_pump))
+            if self.c.connection.transport.driver_type == "redis":
+                self._housekeeping.append(
+                    self.hub.call_repeatedly(RESTORE_INTERVAL, restore_expired_unacked, self.channel)
+                )
+
+    def cancel(self) -> None:
+        self.active = False
+        for entry in self._housekeeping:
+            self.hub.timer.cancel(entry)
+        self._housekeeping.clear()
+        if self._timer is not None:
+            self.hub.timer.cancel(self._timer)
+            self._timer = None
+
+    def close(self) -> None:
+        # The channel closes with the connection; closing it here would make
+        # the Redis transport restore messages whose acks_late tasks are
+        # still finishing during a warm shutdown.
+        self.cancel()
+
+    def qos(self, prefetch_count: int = 0, **_: Any) -> None:
+        """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
+
+    # -- tier bookkeeping ----------------------------------------------------
+    def _concurrency(self) -> int:
+        controller = self.c.controller
+        limit = getattr(controller, "max_concurrency", None) or getattr(self.c.pool, "num_processes", None)
+        return max(int(limit or 1), 1)
+
+    def tier_of_queue(self, name: str) -> Tier:
+        # Queues that are not tier queues are sub-queues of the default tier.
+        tier = self.settings.tier_for_queue(name)
+        return self.settings.default_tier if tier is None else tier
+
+    def _update_served(self) -> None:
+        self._by_tier = {t: [q for q in self.queues if self.tier_of_queue(q.name) is t] for t in TIERS}
+        self.scheduler.set_served(t for t, qs in self._by_tier.items() if qs)
+
+    def track(self, request: Any) -> None:
+        """Called for every request Celery hands to the pool."""
+        tier = self._fetching
+        self._fetching = None
+        if tier is None:  # an ETA or rate-limited request whose time has come
+            routing_key = (request.delivery_info or {}).get("routing_key") or ""
+            tier = self.tier_of_queue(routing_key)
+        charge = self.scheduler.dispatched(tier)
+        self.inflight[request] = (tier, time.monotonic(), charge)
+
+    # -- the fetch loop ------------------------------------------------------
+    def slot_freed(self) -> None:
+        """A pool job ended (any thread): refill from the event loop.
+
+        Via ``call_soon`` on purpose: it runs at the top of the next loop turn,
+        before the prefork pool's on-tick hook that registers pipe writes for
+        queued jobs. Fetching from an on-tick hook of our own would race that
+        hook and could leave a job unwritten until the next poll timeout.
+        """
+        if not self._reap_scheduled:
+            self._reap_scheduled = True
+            self.hub.call_soon(self._reap_and_pump)
+
+    def _reap_and_pump(self) -> None:
+        """Retire requests Celery no longer holds, charge their run time, refill."""
+        self._reap_scheduled = False
+        reserved = worker_state.reserved_requests
+        done = [r for r in self.inflight if r not in reserved]
+        if not done:
+            return
+        now = time.monotonic()
+        for request in done:
+            tier, started, charge = self.inflight.pop(request)
+            self.scheduler.finished(tier, now - started, charge)
+        if self.active:
+            self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
+            self.pump()
+
+    def _get(self, tier: Tier) -> Any:
+        """One message from ``tier`` (round robin over its queues), or None."""
+        queues = self._by_tier[tier]
+        start = self._rr[tier]
+        for i in range(len(queues)):
+            queue = queues[(start + i) % len(queues)]
+            self.broker_calls += 1
+            raw = self.channel.basic_get(queue=queue.name, no_ack=False)
+            if raw is None:
+                continue
+            self._rr[tier] = (start + i + 1) % len(queues)
+            message = self.channel.message_to_python(raw)
+            message.accept = self.accept
+            return message
+        return None
+
+    def _deliver(self, tier: Tier, message: Any) -> None:
+        if message.errors:
+            try:
+                message._reraise_error()  # noqa: SLF001 - kombu keeps the decode error there
+            except Exception as exc:  # noqa: BLE001 - handed to Celery's handler, which acks
+                self.c.on_decode_error(message, exc)
+            return
+        self._fetching = tier
+        try:
+            self.on_message(message)
+        finally:
+            self._fetching = None
+
+    def pump(self) -> None:
+        """Fill free slots; when every served tier is empty, retry after a back-off."""
+        if self._timer is not None:  # called early (a slot freed): drop the pending retry
+            self.hub.timer.cancel(self._timer)
+            self._timer = None
+        if not self.active or self.on_message is None:
+            return
+        # Bounded per turn: messages that do not take a slot (ETA, rate
+        # limited, rejected) must not keep the event loop here.
+        for _ in range(2 * self.scheduler.concurrency + 2):
+            order = self.scheduler.order()
+            if not order:
+                return  # no free slot: a finishing task calls pump again
+            for tier in order:
+                message = self._get(tier)
+                if message is not None:
+                    break
+                self.scheduler.empty(tier)
+            else:
+                self._retry_later()
+                return
+            self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
+            self._deliver(tier, message)
+        self.hub.call_soon(self.pump)
+
+    def _retry_later(self) -> None:
+        if self._timer is None and self.active:
+            self._timer = self.hub.call_later(self._backoff, self.pump)
+            self._backoff = min(self._backoff * 2, self.settings.poll_interval)
+
+    # -- reporting -----------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        s = self.scheduler
+        shares = s.shares()
+        configured = s.configured_shares()
+        tiers = {}
+        for tier, st in s.tiers.items():
+            tiers[tier.label] = {
+                "queues": [q.name for q in self._by_tier[tier]],
+                "dispatched": st.dispatched,
+                "finished": st.finished,
+                "running": st.running,
+                "busy_seconds": round(st.busy_seconds, 3),
+                "slot_time_share": round(shares[tier], 4),
+                "configured_share": round(configured[tier], 4),
+                "runtime_estimate_s": round(st.estimate, 4),
+                "virtual_time": round(st.vtime, 4),
+                "idle": st.idle,
+            }
+        return {
+            "concurrency": s.concurrency,
+            "reserve": s.reserve,
+            "scheduler": s.mode,
+            "broker_calls": self.broker_calls,
+            "tiers": tiers,
+        }
+
+
+class PrioTasks(bootsteps.StartStopStep):
+    """Replaces ``celery.worker.consumer.tasks:Tasks``: same contract, pull-based fetch."""
+
+    requires = (Mingle,)
+
+    def __init__(self, c: Consumer, **kwargs: Any) -> None:
+        c.task_consumer = c.qos = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Consumer) -> None:
+        settings = settings_for(c.app)
+        fetcher = TierFetcher(c, settings)
+        c.update_strategies()
+        # Celery's ETA path bumps ``c.qos``; with basic_get there is no
+        # broker-side window to move, so the setter does nothing.
+        c.qos = QoS(fetcher.qos, fetcher.scheduler.concurrency)
+        c.task_consumer = fetcher
+        logger.info(
+            "celery-prio: serving %s (concurrency %d, %d reserved for realtime, weights %s)",
+            ", ".join(q.name for q in fetcher.queues),
+            fetcher.scheduler.concurrency,
+            fetcher.scheduler.reserve,
+            {t.label: w for t, w in settings.weights.items()},
+        )
+
+    def stop(self, c: Consumer) -> None:
+        if c.task_consumer is not None:
+            c.task_consumer.cancel()
+
+    def shutdown(self, c: Consumer) -> None:
+        if c.task_consumer is not None:
+            c.task_consumer.close()
+            c.task_consumer = None
+
+    def info(self, c: Consumer) -> dict[str, Any]:
+        fetcher = c.task_consumer
+        if not isinstance(fetcher, TierFetcher):
+            return {"prefetch_count": "N/A"}
+        # Flower reads prefetch_count; the honest figure is the slot bound.
+        return {"prefetch_count": fetcher.scheduler.concurrency, "prio": fetcher.info()}
+
+
+class PrioControl(Control):
+    """Celery's remote-control step, re-pointed at PrioTasks (it requires the Tasks step)."""
+
+    requires = (PrioTasks,)
+
+
+class PrioConsumer(Consumer):
+    """Selected by ``install()`` through the ``worker_consumer`` setting."""
+
+    class Blueprint(Consumer.Blueprint):
+        default_steps = [
+            "celery.worker.consumer.connection:Connection",
+            "celery.worker.consumer.mingle:Mingle",
+            "celery.worker.consumer.events:Events",
+            "celery.worker.consumer.gossip:Gossip",
+            "celery.worker.consumer.heart:Heart",
+            "celery_prio.consumer:PrioControl",
+            "celery_prio.consumer:PrioTasks",
+            # DelayedDelivery (native delays on quorum queues) is left out:
+            # tier queues are classic queues and ETA uses Celery's timer.
+            "celery.worker.consumer.consumer:Evloop",
+            "celery.worker.consumer.agent:Agent",
+        ]
+
+    def __init__(self, on_task_request: Any, *args: Any, pool: Any = None, **kwargs: Any) -> None:
+        def on_task_request_tracked(request: Any) -> Any:
+            fetcher = self.task_consumer
+            if isinstance(fetcher, TierFetcher):
+                fetcher.track(request)
+            return on_task_request(request)
+
+        if pool is not None:
+            _notify_when_jobs_end(pool, self)
+        super().__init__(on_task_request_tracked, *args, pool=pool, **kwargs)
+
+
+def _notify_when_jobs_end(pool: Any, consumer: Consumer) -> None:
+    """Wrap ``pool.apply_async`` so the fetcher hears when a job leaves its slot.
+
+    Installed before the task strategies are built (they capture
+    ``pool.apply_async``), so every request Celery runs goes through it.
+    """
+    apply_async = pool.apply_async
+
+    def notify(callback: Any) -> Any:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return callback(*args, **kwargs)
+            finally:
+                fetcher = consumer.task_consumer
+                if isinstance(fetcher, TierFetcher):
+                    fetcher.slot_freed()
+
+        return called
+
+    def apply_async_notifying(*args: Any, callback: Any = None, error_callback: Any = None, **kwargs: Any) -> Any:
+        return apply_async(
+            *args,
+            callback=notify(callback) if callback else None,
+            error_callback=notify(error_callback) if error_callback else None,
+            **kwargs,
+        )
+
+    pool.apply_async = apply_async_notifying

@@ -1,0 +1,28 @@
+"""Errors raised by celery-prio to callers and operators."""
+
+from __future__ import annotations
+
+from .tiers import Tier
+
+
+class ConfigError(ValueError):
+    """A ``prio_*`` setting has a bad value; the message names the setting and the value."""
+
+
+class QueueFull(Exception):  # noqa: N818 - public name fixed by the design
+    """A tier refused a publish because it is at its maximum length.
+
+    Carries what an HTTP front door needs to answer ``429 Too Many Requests``
+    with a ``Retry-After`` header, so the caller can degrade instead of wait.
+    """
+
+    status_code = 429
+
+    def __init__(self, tier: Tier, waiting: int | None, retry_after: float) -> None:
+        self.tier = tier
+        self.waiting = waiting
+        self.retry_after = max(0.0, float(retry_after))
+        count = "" if waiting is None else f" ({waiting} waiting)"
+        super().__init__(
+            f"{tier.label} tier is full{count}; retry after {self.retry_after:.1f} s"
+        )

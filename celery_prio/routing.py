@@ -1,0 +1,66 @@
+"""Producer side: tier -> queue routing, tier queue declarations, enqueue stamp.
+
+A tier comes, in this order, from ``apply_async(..., tier=...)``, from the
+task's ``tier`` attribute (``@app.task(tier="realtime")``), from the
+``prio_routes`` name-pattern map; un-tiered tasks fall through to the user's
+own routes and then to ``task_default_queue``, which ``install()`` points at
+the default tier's queue.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kombu import Exchange, Queue
+
+from .settings import PrioSettings
+from .tiers import TIERS, Tier, parse_tier
+
+#: Header carrying the wall-clock time (epoch seconds) a message was first
+#: published. Queue wait and aging are measured from it; aging keeps it.
+ENQUEUED_HEADER = "prio_enqueued_at"
+#: Header listing the tiers a message was promoted from, oldest first.
+PROMOTED_HEADER = "prio_promoted_from"
+
+# Tier queue names of every installed app in this process; the publish hook
+# stamps only messages bound for them.
+_TIER_QUEUES: set[str] = set()
+
+
+def tier_queues(settings: PrioSettings) -> list[Queue]:
+    """The three real queues, declared like Celery's own (a direct exchange per queue)."""
+    queues = []
+    for tier in TIERS:
+        name = settings.queue_name(tier)
+        queues.append(Queue(name, Exchange(name, type="direct"), routing_key=name))
+    return queues
+
+
+def make_router(settings: PrioSettings):
+    """A Celery router function (``task_routes`` entry) that maps tiers to queues."""
+    queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
+
+    def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
+        # ``tier`` is ours, not a publish option: pop it so kombu never sees it.
+        raw = options.pop("tier", None)
+        if raw is None and task is not None:
+            raw = getattr(task, "tier", None)
+        tier: Tier | None = parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
+        if tier is None:
+            return None
+        return {"queue": queue_for[tier]}
+
+    route_by_tier.celery_prio = True  # type: ignore[attr-defined]
+    return route_by_tier
+
+
+def register_tier_queues(settings: PrioSettings) -> None:
+    _TIER_QUEUES.update(settings.queue_name(t) for t in TIERS)
+
+
+def stamp_enqueue_time(sender: Any = None, routing_key: str | None = None,
+                       headers: dict | None = None, **_: Any) -> None:
+    """``before_task_publish`` receiver: record when the message entered its tier."""
+    if headers is not None and routing_key in _TIER_QUEUES:
+        headers[ENQUEUED_HEADER] = time.time()

@@ -1,0 +1,197 @@
+"""Which tier gets the next free worker slot. Pure: no Celery, no clock.
+
+The seed allocates *GPU time* between tiers 8:2:1, so weights are shares of
+slot time, not of dispatches. Each tier carries a virtual time: dispatching a
+task charges the tier its expected run time divided by its weight, and when
+the task finishes the charge is corrected to the measured run time (start-time
+fair queueing with a per-tier run-time estimate). The tier with the smallest
+virtual finish tag goes first. A count mode (charge 1 per dispatch) exists for
+comparison only: with 20 ms realtime tasks and 400 ms offline tasks it gives
+realtime far less than 8/11 of the time.
+
+Around that core:
+* work conserving: the caller tries tiers in the returned order and skips the
+  empty ones. An idle tier's weight goes to the next busy tier *below* it
+  (realtime's unused time to batch, batch's to offline), not spread over all:
+  quiet online traffic should speed up batch jobs, not balloon offline work
+  to a third of the GPU. Offline keeps its own weight and its floor;
+* headroom: batch/offline together never occupy more than
+  ``concurrency - reserve`` slots, so a realtime arrival never waits behind a
+  long evaluation;
+* minimum share: while offline has work it gets at least ``min_share`` per
+  100 of what is being shared, i.e. per cent of slot time in time mode and
+  dispatches per 100 in count mode, even if realtime alone could fill the
+  worker. (A dispatch-count floor in time mode would hand 2-second offline
+  tasks a third of the GPU whenever realtime sends many 20 ms requests.);
+* an idle tier does not bank credit: when a fetch finds it empty its virtual
+  time is lifted to the current virtual clock, so it cannot burst past the
+  others when work arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .tiers import TIERS, Tier
+
+EWMA_ALPHA = 0.2  # weight of the newest run time in a tier's estimate
+DEFAULT_ESTIMATE = 0.1  # seconds assumed for a tier until one task of it finished
+
+
+@dataclass
+class TierState:
+    weight: float
+    vtime: float = 0.0
+    estimate: float = DEFAULT_ESTIMATE
+    measured: bool = False
+    idle: bool = False
+    running: int = 0
+    dispatched: int = 0
+    finished: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass
+class TierScheduler:
+    weights: Mapping[Tier, float]
+    concurrency: int
+    reserve: int = 0
+    min_share: float = 5.0
+    mode: str = "time"
+    served: frozenset[Tier] = frozenset(TIERS)
+    #: Known run times (seconds) per tier; unknown tiers start at DEFAULT_ESTIMATE.
+    estimates: Mapping[Tier, float] | None = None
+    tiers: dict[Tier, TierState] = field(init=False)
+    vclock: float = field(init=False, default=0.0)
+    # Count-mode floor: credit in "per 100 dispatches" units, full at 100.
+    offline_credit: float = field(init=False, default=100.0)  # first offline task need not wait
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("time", "count"):
+            raise ValueError(f"scheduler mode must be 'time' or 'count', got {self.mode!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
+        self.tiers = {t: TierState(weight=float(self.weights[t])) for t in TIERS}
+        for tier, seconds in (self.estimates or {}).items():
+            self.tiers[tier].estimate, self.tiers[tier].measured = float(seconds), True
+
+    # -- questions -------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return sum(s.running for s in self.tiers.values())
+
+    def free_slots(self) -> int:
+        return max(self.concurrency - self.running, 0)
+
+    def _low_tiers_allowed(self) -> bool:
+        low = self.tiers[Tier.BATCH].running + self.tiers[Tier.OFFLINE].running
+        return low < self.concurrency - self.reserve
+
+    def effective_weights(self) -> dict[Tier, float]:
+        """Weights after idle tiers hand theirs down and the offline floor applies."""
+        busy = [t for t in TIERS if t in self.served and not self.tiers[t].idle]
+        eff = {t: self.tiers[t].weight for t in TIERS}
+        for tier in TIERS:
+            if tier in busy or tier not in self.served:
+                continue
+            below = [t for t in busy if t > tier]
+            if below:
+                eff[below[0]] += self.tiers[tier].weight
+        if self.mode == "time" and self.min_share > 0 and Tier.OFFLINE in busy:
+            others = sum(eff[t] for t in busy if t is not Tier.OFFLINE)
+            floor = others * self.min_share / (100.0 - self.min_share) if self.min_share < 100 else float("inf")
+            eff[Tier.OFFLINE] = max(eff[Tier.OFFLINE], floor)
+        return eff
+
+    def _finish_tag(self, tier: Tier, weights: Mapping[Tier, float]) -> float:
+        state = self.tiers[tier]
+        cost = 1.0 if self.mode == "count" else state.estimate
+        return state.vtime + cost / weights[tier]
+
+    def order(self) -> list[Tier]:
+        """Tiers to try for the next free slot, most deserving first.
+
+        Empty list when no slot is free. The caller fetches from the first
+        tier that has a message and reports it with :meth:`dispatched`, or
+        reports an empty tier with :meth:`empty`.
+        """
+        if self.free_slots() <= 0:
+            return []
+        # Until one of its tasks finished, a tier's run time is a guess: give it
+        # one slot, not a burst of slots it might hold for minutes.
+        candidates = [
+            t for t in TIERS
+            if t in self.served and (self.tiers[t].measured or self.tiers[t].running == 0)
+        ]
+        if not self._low_tiers_allowed():
+            candidates = [t for t in candidates if t is Tier.REALTIME]
+        weights = self.effective_weights()
+        candidates.sort(key=lambda t: (self._finish_tag(t, weights), t.value))
+        if (
+            self.mode == "count"
+            and self.min_share > 0
+            and Tier.OFFLINE in candidates
+            and self.offline_credit >= 100.0
+            and not self.tiers[Tier.OFFLINE].idle
+        ):
+            candidates.remove(Tier.OFFLINE)
+            candidates.insert(0, Tier.OFFLINE)
+        return candidates
+
+    # -- events ------------------------------------------------------------
+    def dispatched(self, tier: Tier) -> float:
+        """A message of ``tier`` took a slot. Returns the charge to pass to :meth:`finished`."""
+        state = self.tiers[tier]
+        state.idle = False
+        self.vclock = max(self.vclock, state.vtime)
+        charge = 1.0 if self.mode == "count" else state.estimate
+        state.vtime += charge / self.effective_weights()[tier]
+        state.running += 1
+        state.dispatched += 1
+        if self.mode == "count" and self.min_share > 0 and Tier.OFFLINE in self.served:
+            credit = self.offline_credit + self.min_share
+            if tier is Tier.OFFLINE:
+                credit -= 100.0
+            # Capped so that an idle offline tier cannot save up a burst.
+            self.offline_credit = min(100.0, max(0.0, credit))
+        return charge
+
+    def finished(self, tier: Tier, runtime: float, charge: float) -> None:
+        """A task dispatched from ``tier`` left its slot after ``runtime`` seconds."""
+        state = self.tiers[tier]
+        runtime = max(0.0, runtime)
+        state.running = max(state.running - 1, 0)
+        state.finished += 1
+        state.busy_seconds += runtime
+        if self.mode == "time":
+            state.vtime += (runtime - charge) / self.effective_weights()[tier]
+            if state.measured:
+                state.estimate += EWMA_ALPHA * (runtime - state.estimate)
+            else:
+                state.estimate, state.measured = runtime, True
+
+    def empty(self, tier: Tier) -> None:
+        """Fetching from ``tier`` found nothing: it stops banking virtual time.
+
+        Its virtual time is lifted to the clock *now* and then left alone, so
+        that as the busy tiers advance it comes first again and is probed at
+        about its own share's rate; lifting it on every comparison would keep
+        it behind the busy tiers for ever and never look at it again.
+        """
+        state = self.tiers[tier]
+        state.vtime = max(state.vtime, self.vclock)
+        state.idle = True
+
+    def set_served(self, tiers: Iterable[Tier]) -> None:
+        self.served = frozenset(tiers)
+
+    # -- reporting ---------------------------------------------------------
+    def shares(self) -> dict[Tier, float]:
+        """Fraction of measured slot time each tier received so far."""
+        total = sum(s.busy_seconds for s in self.tiers.values())
+        return {t: (s.busy_seconds / total if total else 0.0) for t, s in self.tiers.items()}
+
+    def configured_shares(self) -> dict[Tier, float]:
+        total = sum(self.tiers[t].weight for t in self.served) or 1.0
+        return {t: (s.weight / total if t in self.served else 0.0) for t, s in self.tiers.items()}

@@ -1,0 +1,199 @@
+"""``prio_*`` settings: defaults, parsing and validation.
+
+Everything is validated once, at ``install()`` and again at worker start
+(where the pool size is known), and every error names the setting and the
+offending value. Per-tier settings accept a dict keyed by any tier alias.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+from .tiers import TIERS, Tier, parse_tier
+
+OVERFLOW_POLICIES = ("reject", "drop_oldest")
+SCHEDULER_MODES = ("time", "count")
+
+DEFAULTS: dict[str, Any] = {
+    "weights": {"realtime": 8, "batch": 2, "offline": 1},
+    "reserve": None,  # None = 1 slot when concurrency >= 2, else 0
+    "min_share": 5,  # offline dispatches per 100 while it has work
+    "aging": {"realtime": None, "batch": 1800, "offline": 1800},
+    "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
+    "overflow": {"realtime": "reject", "batch": "reject", "offline": "drop_oldest"},
+    "queue_prefix": "prio",
+    "default_tier": "batch",
+    "routes": {},
+    "scheduler": "time",
+    "poll_interval": 0.05,
+    "aging_interval": 1.0,
+}
+
+
+def _per_tier(name: str, value: Any, default: Mapping[str, Any]) -> dict[Tier, Any]:
+    """Merge a user's per-tier dict over the defaults, keyed by Tier."""
+    merged = {parse_tier(k): v for k, v in default.items()}
+    if value is None:
+        return merged
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"prio_{name} must be a dict keyed by tier (realtime/batch/offline), got {value!r}"
+        )
+    for key, item in value.items():
+        try:
+            merged[parse_tier(key)] = item
+        except ValueError as exc:
+            raise ConfigError(f"prio_{name}: {exc}") from None
+    return merged
+
+
+def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= minimum if inclusive else value > minimum
+    if not ok:
+        bound = f">= {minimum}" if inclusive else f"> {minimum}"
+        raise ConfigError(f"prio_{name} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PrioSettings:
+    weights: dict[Tier, float]
+    reserve: int | None
+    min_share: float
+    aging: dict[Tier, float | None]
+    max_length: dict[Tier, int | None]
+    overflow: dict[Tier, str]
+    queue_prefix: str
+    default_tier: Tier
+    routes: tuple[tuple[str, Tier], ...]
+    scheduler: str
+    poll_interval: float
+    aging_interval: float
+
+    def queue_name(self, tier: Tier) -> str:
+        return f"{self.queue_prefix}.{tier.label}"
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return f"{self.queue_prefix}.dead"
+
+    def tier_for_queue(self, name: str) -> Tier | None:
+        for tier in TIERS:
+            if name == self.queue_name(tier):
+                return tier
+        return None
+
+    def tier_for_task_name(self, name: str) -> Tier | None:
+        for pattern, tier in self.routes:
+            if fnmatch.fnmatchcase(name, pattern):
+                return tier
+        return None
+
+    def effective_reserve(self, concurrency: int) -> int:
+        """Slots batch/offline may never occupy; checked against the pool size."""
+        if self.reserve is None:
+            return 1 if concurrency >= 2 else 0
+        if concurrency and self.reserve >= concurrency:
+            raise ConfigError(
+                f"prio_reserve={self.reserve} must be below the worker concurrency "
+                f"({concurrency}), or batch and offline tasks could never run"
+            )
+        return self.reserve
+
+
+SETTING_NAMES = tuple(DEFAULTS)
+
+
+def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> PrioSettings:
+    """Read ``prio_*`` keys from a Celery config (plus ``install()`` overrides)."""
+    raw = dict(DEFAULTS)
+    for name in DEFAULTS:
+        value = conf.get(f"prio_{name}")
+        if value is not None:
+            raw[name] = value
+    for name, value in (overrides or {}).items():
+        key = name.removeprefix("prio_")
+        if key not in DEFAULTS:
+            raise ConfigError(
+                f"unknown celery-prio setting {name!r}; known settings: {', '.join(SETTING_NAMES)}"
+            )
+        raw[key] = value
+
+    weights = {
+        t: _number("weights", w, minimum=0, inclusive=False)
+        for t, w in _per_tier("weights", raw["weights"], DEFAULTS["weights"]).items()
+    }
+    reserve = raw["reserve"]
+    if reserve is not None and (
+        not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0
+    ):
+        raise ConfigError(f"prio_reserve must be a whole number >= 0 or None, got {reserve!r}")
+    min_share = _number("min_share", raw["min_share"], minimum=0)
+    if min_share > 100:
+        raise ConfigError(f"prio_min_share is dispatches per 100 (0..100), got {min_share!r}")
+
+    aging: dict[Tier, float | None] = {}
+    for t, v in _per_tier("aging", raw["aging"], DEFAULTS["aging"]).items():
+        aging[t] = None if v is None or t is Tier.REALTIME else _number("aging", v, minimum=0)
+
+    max_length: dict[Tier, int | None] = {}
+    for t, v in _per_tier("max_length", raw["max_length"], DEFAULTS["max_length"]).items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"prio_max_length[{t.label}] must be an int >= 1 or None, got {v!r}")
+        max_length[t] = v
+
+    overflow = _per_tier("overflow", raw["overflow"], DEFAULTS["overflow"])
+    for t, v in overflow.items():
+        if v not in OVERFLOW_POLICIES:
+            raise ConfigError(
+                f"prio_overflow[{t.label}] must be one of {OVERFLOW_POLICIES}, got {v!r}"
+            )
+
+    prefix = raw["queue_prefix"]
+    if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
+        raise ConfigError(f"prio_queue_prefix must be a non-empty string without spaces, got {prefix!r}")
+
+    try:
+        default_tier = parse_tier(raw["default_tier"])
+    except ValueError as exc:
+        raise ConfigError(f"prio_default_tier: {exc}") from None
+
+    routes_raw = raw["routes"]
+    if not isinstance(routes_raw, Mapping):
+        raise ConfigError(f"prio_routes must be a dict of task-name pattern -> tier, got {routes_raw!r}")
+    routes = []
+    for pattern, tier in routes_raw.items():
+        try:
+            routes.append((str(pattern), parse_tier(tier)))
+        except ValueError as exc:
+            raise ConfigError(f"prio_routes[{pattern!r}]: {exc}") from None
+
+    if raw["scheduler"] not in SCHEDULER_MODES:
+        raise ConfigError(f"prio_scheduler must be one of {SCHEDULER_MODES}, got {raw['scheduler']!r}")
+
+    return PrioSettings(
+        weights=weights,
+        reserve=reserve,
+        min_share=min_share,
+        aging=aging,
+        max_length=max_length,
+        overflow=overflow,
+        queue_prefix=prefix,
+        default_tier=default_tier,
+        routes=tuple(routes),
+        scheduler=raw["scheduler"],
+        poll_interval=_number("poll_interval", raw["poll_interval"], minimum=0, inclusive=False),
+        aging_interval=_number("aging_interval", raw["aging_interval"], minimum=0, inclusive=False),
+    )
+
+
+def documented_settings() -> list[str]:
+    """Setting names as users write them; the README test compares against this."""
+    return [f"prio_{f.name}" for f in fields(PrioSettings)]

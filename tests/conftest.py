@@ -1,0 +1,150 @@
+"""Fixtures for tests that talk to real Redis / RabbitMQ and real workers.
+
+Each test gets its own queue prefix; Redis data lives in a dedicated db
+(PRIO_TEST_REDIS_DB, default 13) that is flushed before and after the run.
+A missing broker skips those tests locally and fails the run under CI=true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_prio.brokers import adapter_for
+from celery_prio.settings import load_settings
+from celery_prio.tiers import TIERS, Tier
+from celery_prio.workers import WorkerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.workerapp import make_app  # noqa: E402
+
+REDIS_DB = int(os.environ.get("PRIO_TEST_REDIS_DB", "13"))
+REDIS_URL = os.environ.get("PRIO_TEST_REDIS", f"redis://127.0.0.1:6379/{REDIS_DB}")
+AMQP_URL = os.environ.get("PRIO_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+BROKERS = {"redis": REDIS_URL, "amqp": AMQP_URL}
+
+
+def _reachable(url: str) -> bool:
+    from kombu.utils.url import url_to_parts
+
+    parts = url_to_parts(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def need_broker(kind: str) -> None:
+    if not _reachable(BROKERS[kind]):
+        message = f"{kind} broker not reachable at {BROKERS[kind]}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + " (CI=true: a missing broker fails the run)", pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_test_db():
+    if _reachable(REDIS_URL):
+        redis.Redis.from_url(REDIS_URL).flushdb()
+    yield
+    if _reachable(REDIS_URL):
+        redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+class PrioEnv:
+    """One test's broker, queue prefix, client app and workers."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.kind = kind
+        self.prefix = f"t{uuid.uuid4().hex[:10]}"
+        self.broker = BROKERS[kind]
+        self.backend = REDIS_URL
+        self.tmp_path = tmp_path
+        self.workers: list[WorkerProcess] = []
+        self.settings: dict[str, Any] = {}
+        self.visibility_timeout = 3600.0
+        self.app = make_app(self.prefix, self.broker, self.backend)
+        self.recorder = redis.Redis.from_url(self.backend)
+        self.adapter = adapter_for(self.app)
+
+    def configure(self, visibility_timeout: float | None = None, **settings: Any) -> None:
+        """Re-create the client app with install() overrides (before starting workers)."""
+        self.settings = settings
+        if visibility_timeout is not None:
+            self.visibility_timeout = visibility_timeout
+        self.app = make_app(self.prefix, self.broker, self.backend, settings, self.visibility_timeout)
+
+    def queue(self, tier: Tier) -> str:
+        return f"{self.prefix}.{tier.label}"
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            "PRIO_TEST_PREFIX": self.prefix,
+            "PRIO_TEST_BROKER": self.broker,
+            "PRIO_TEST_BACKEND": self.backend,
+            "PRIO_TEST_SETTINGS": json.dumps(self.settings),
+            "PRIO_TEST_VISIBILITY": str(self.visibility_timeout),
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def start_worker(self, concurrency: int = 4, wait: bool = True, **kwargs: Any) -> WorkerProcess:
+        n = len(self.workers)
+        worker = WorkerProcess(
+            "tests.workerapp", log_path=self.tmp_path / f"worker{n}.log", concurrency=concurrency,
+            hostname=f"w{n}-{self.prefix}@%h", env=self.worker_env(), cwd=ROOT, **kwargs,
+        )
+        self.workers.append(worker)
+        return worker.wait_ready() if wait else worker
+
+    def log(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.recorder.lrange(f"{self.prefix}:log", 0, -1)]
+
+    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        logs = "\n".join(w.log()[-3000:] for w in self.workers)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+
+    def depth(self, tier: Tier) -> int:
+        return self.adapter.depth(self.queue(tier))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        try:
+            self.adapter.delete_queues([self.queue(t) for t in TIERS] + [f"{self.prefix}.dead"])
+        finally:
+            self.adapter.close()
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def env(request, tmp_path):
+    need_broker(request.param)
+    e = PrioEnv(request.param, tmp_path)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def redis_env(tmp_path):
+    need_broker("redis")
+    e = PrioEnv("redis", tmp_path)
+    yield e
+    e.close()
+
+
+__all__ = ["PrioEnv", "load_settings", "need_broker"]

@@ -1,0 +1,174 @@
+"""Pure scheduler tests: exact pick sequences and share properties, no broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_prio.scheduler import TierScheduler
+from celery_prio.tiers import Tier
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+W821 = {R: 8, B: 2, O: 1}
+
+
+def drive(s: TierScheduler, n: int, runtime: dict[Tier, float], backlog=(R, B, O)) -> str:
+    """Dispatch n tasks one at a time on a backlogged worker; return the pick string."""
+    picks = []
+    for _ in range(n):
+        for tier in s.order():
+            if tier in backlog:
+                break
+            s.empty(tier)
+        else:
+            raise AssertionError("no tier picked")
+        charge = s.dispatched(tier)
+        s.finished(tier, runtime[tier], charge)
+        picks.append("RBO"[tier])
+    return "".join(picks)
+
+
+EQUAL = {R: 1.0, B: 1.0, O: 1.0}
+
+
+@pytest.mark.parametrize(
+    ("mode", "weights", "min_share", "runtime", "expected"),
+    [
+        # Count mode with no floor is smooth WRR: 8 R, 2 B, 1 O per 11.
+        ("count", W821, 0, EQUAL, "RRRRBRRRRBORRRRBRRRRBO"),
+        # The floor's first offline task goes at once, then at the weights.
+        ("count", W821, 5, EQUAL, "ORRRRBRRRRBRRRRBRRRROB"),
+        # Equal run times: time mode and count mode pick alike.
+        ("time", W821, 0, EQUAL, "RRRRBRRRRBORRRRBRRRRBO"),
+        # Realtime tasks 4x shorter than the others: realtime gets 4x the picks.
+        ("time", W821, 0, {R: 0.25, B: 1.0, O: 1.0}, "RRRRRRRRRRRRRRRRBRRRRRRRRRRRRRRRRBORRRRR"),
+        # Equal weights, equal costs: plain round robin.
+        ("count", {R: 1, B: 1, O: 1}, 0, EQUAL, "RBORBORBO"),
+    ],
+)
+def test_exact_pick_sequences(mode, weights, min_share, runtime, expected):
+    s = TierScheduler(weights, concurrency=1, reserve=0, min_share=min_share, mode=mode, estimates=runtime)
+    assert drive(s, len(expected), runtime) == expected
+
+
+def test_time_mode_learns_runtimes_from_a_cold_start():
+    s = TierScheduler(W821, concurrency=1, mode="time", min_share=0)
+    # Unknown tiers start at the same estimate, so the first picks follow the
+    # weights; after that realtime's short tasks earn it more picks.
+    assert drive(s, 40, {R: 0.25, B: 1.0, O: 1.0}) == "RBRRORRRRRRRRRRRRRRRRRRRRRRRRRRRRRBRRRRR"
+
+
+def test_time_mode_converges_to_weight_shares_of_slot_time():
+    s = TierScheduler(W821, concurrency=1, mode="time", min_share=0)
+    drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4})
+    shares = s.shares()
+    assert shares[R] == pytest.approx(8 / 11, abs=0.02)
+    assert shares[B] == pytest.approx(2 / 11, abs=0.02)
+    assert shares[O] == pytest.approx(1 / 11, abs=0.02)
+
+
+def test_count_mode_gives_realtime_far_less_than_its_time_share():
+    # The reason time mode is the default: short realtime tasks lose out.
+    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    drive(s, 1100, {R: 0.02, B: 0.1, O: 0.4})
+    assert s.shares()[R] < 0.3
+
+
+@pytest.mark.parametrize("min_share", [0, 5, 10])
+def test_time_mode_floor_is_a_share_of_slot_time(min_share):
+    # Realtime alone could fill the worker; offline still gets min_share % of the time.
+    s = TierScheduler({R: 100, B: 1, O: 1}, concurrency=1, mode="time", min_share=min_share)
+    drive(s, 3000, {R: 0.02, B: 0.1, O: 0.1}, backlog=(R, O))
+    # Without a floor offline gets its weight plus idle batch's: 2/102.
+    expected = max(min_share / 100, 2 / 102)
+    assert s.shares()[O] == pytest.approx(expected, abs=0.005)
+
+
+def test_idle_realtime_weight_goes_to_batch_not_spread_over_offline():
+    s = TierScheduler(W821, concurrency=1, mode="time")
+    drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4}, backlog=(B, O))
+    assert s.shares()[B] == pytest.approx(10 / 11, abs=0.02)
+    assert s.shares()[O] == pytest.approx(1 / 11, abs=0.02)
+
+
+@pytest.mark.parametrize("min_share", [1, 5, 10, 20])
+def test_count_mode_floor_holds_in_every_window_of_100(min_share):
+    s = TierScheduler({R: 1000, B: 1, O: 1}, concurrency=1, mode="count", min_share=min_share)
+    picks = drive(s, 500, EQUAL)
+    assert min(picks[i : i + 100].count("O") for i in range(400)) >= min_share
+
+
+def test_no_floor_while_offline_is_empty_and_no_burst_after():
+    s = TierScheduler({R: 1000, B: 1, O: 1}, concurrency=1, mode="count", min_share=5)
+    picks = drive(s, 200, EQUAL, backlog=(R,))
+    assert "O" not in picks
+    # Offline comes back: it gets its floor, not a burst of saved-up picks.
+    picks = drive(s, 100, EQUAL)
+    assert picks.count("O") <= 6
+
+
+def test_work_conserving_idle_tier_share_goes_to_others():
+    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    assert set(drive(s, 30, EQUAL, backlog=(B, O))) == {"B", "O"}
+
+
+def test_returning_idle_tier_does_not_burst():
+    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    drive(s, 100, EQUAL, backlog=(B, O))  # realtime idle for 100 dispatches
+    picks = drive(s, 11, EQUAL)
+    assert picks.count("B") >= 1 and picks.count("O") >= 1
+
+
+KNOWN = {R: 0.02, B: 0.1, O: 0.4}
+
+
+def test_a_tier_gets_one_slot_until_its_run_time_is_known():
+    s = TierScheduler(W821, concurrency=4, reserve=0, served=frozenset({O}))
+    charge = s.dispatched(O)
+    assert s.order() == []  # one offline task in flight, its length unknown
+    s.finished(O, 2.0, charge)
+    for _ in range(4):
+        assert s.order() == [O]
+        s.dispatched(O)
+
+
+def test_reserve_keeps_last_slots_for_realtime():
+    s = TierScheduler(W821, concurrency=4, reserve=1, mode="time", min_share=0, estimates=KNOWN)
+    for _ in range(3):
+        tier = next(t for t in s.order() if t is not R)
+        s.dispatched(tier)
+    assert s.free_slots() == 1
+    assert s.order() == [R]  # batch/offline may not take the last slot
+    s.dispatched(R)
+    assert s.order() == []  # full
+
+
+def test_realtime_may_fill_every_slot():
+    s = TierScheduler(W821, concurrency=4, reserve=1, mode="time", served=frozenset({R}), estimates=KNOWN)
+    for _ in range(4):
+        assert s.order() == [R]
+        s.dispatched(R)
+    assert s.order() == []
+
+
+def test_served_tiers_limit_the_order():
+    s = TierScheduler(W821, concurrency=2, served=frozenset({R}))
+    assert s.order() == [R]
+    s.set_served([B, O])
+    assert set(s.order()) == {B, O}
+
+
+def test_finished_frees_the_slot_and_learns_runtime():
+    s = TierScheduler(W821, concurrency=1)
+    charge = s.dispatched(O)
+    assert s.order() == []
+    s.finished(O, 2.0, charge)
+    assert s.free_slots() == 1
+    assert s.tiers[O].estimate == pytest.approx(2.0)
+    assert s.tiers[O].busy_seconds == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"mode": "fifo"}, "mode"), ({"concurrency": 0}, "concurrency")])
+def test_bad_arguments(kwargs, message):
+    args = {"weights": W821, "concurrency": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        TierScheduler(**args)

@@ -1,0 +1,88 @@
+"""Settings and tier parsing: every bad value fails with a message naming it."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+import celery_prio
+from celery_prio import ConfigError, Tier, parse_tier
+from celery_prio.settings import load_settings
+
+
+@pytest.mark.parametrize(
+    ("raw", "tier"),
+    [("realtime", Tier.REALTIME), ("P0", Tier.REALTIME), (0, Tier.REALTIME), ("batch", Tier.BATCH),
+     ("p1", Tier.BATCH), (1, Tier.BATCH), ("offline", Tier.OFFLINE), ("2", Tier.OFFLINE), (Tier.OFFLINE, Tier.OFFLINE)],
+)
+def test_tier_aliases(raw, tier):
+    assert parse_tier(raw) is tier
+
+
+@pytest.mark.parametrize("raw", ["urgent", 3, -1, None, True, 1.5, "p3", ""])
+def test_unknown_tier_names_the_valid_ones(raw):
+    with pytest.raises(ValueError, match="valid tiers: realtime|batch|offline"):
+        parse_tier(raw)
+
+
+def test_defaults():
+    s = load_settings({})
+    assert s.weights == {Tier.REALTIME: 8, Tier.BATCH: 2, Tier.OFFLINE: 1}
+    assert s.min_share == 5
+    assert s.queue_name(Tier.REALTIME) == "prio.realtime"
+    assert s.aging[Tier.OFFLINE] == 1800 and s.aging[Tier.REALTIME] is None
+    assert s.overflow[Tier.OFFLINE] == "drop_oldest" and s.overflow[Tier.REALTIME] == "reject"
+    assert s.effective_reserve(4) == 1 and s.effective_reserve(1) == 0
+
+
+def test_per_tier_dicts_accept_aliases_and_merge_over_defaults():
+    s = load_settings({"prio_weights": {"p0": 10}}, {"aging": {2: 60}})
+    assert s.weights[Tier.REALTIME] == 10 and s.weights[Tier.BATCH] == 2
+    assert s.aging[Tier.OFFLINE] == 60
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"weights": {"realtime": 0}}, r"prio_weights must be a number > 0, got 0"),
+        ({"weights": {"batch": -2}}, r"prio_weights must be a number > 0, got -2"),
+        ({"weights": {"urgent": 3}}, r"prio_weights: unknown tier 'urgent'"),
+        ({"weights": [8, 2, 1]}, r"prio_weights must be a dict keyed by tier"),
+        ({"reserve": -1}, r"prio_reserve must be a whole number >= 0"),
+        ({"min_share": 101}, r"prio_min_share is dispatches per 100"),
+        ({"aging": {"offline": -5}}, r"prio_aging must be a number >= 0, got -5"),
+        ({"aging": {"batch": "soon"}}, r"prio_aging must be a number >= 0, got 'soon'"),
+        ({"max_length": {"realtime": 0}}, r"prio_max_length\[realtime\] must be an int >= 1"),
+        ({"overflow": {"offline": "drop_newest"}}, r"prio_overflow\[offline\] must be one of"),
+        ({"queue_prefix": ""}, r"prio_queue_prefix must be a non-empty string"),
+        ({"default_tier": "urgent"}, r"prio_default_tier: unknown tier 'urgent'"),
+        ({"routes": {"app.*": "p9"}}, r"prio_routes\['app.\*'\]: unknown tier 'p9'"),
+        ({"scheduler": "fifo"}, r"prio_scheduler must be one of"),
+        ({"poll_interval": 0}, r"prio_poll_interval must be a number > 0"),
+        ({"wieghts": {}}, r"unknown celery-prio setting 'wieghts'"),
+    ],
+)
+def test_bad_settings_name_the_setting_and_value(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_settings({}, overrides)
+
+
+def test_bad_setting_in_celery_conf_fails_at_install():
+    app = Celery("t", set_as_current=False)
+    app.conf.prio_weights = {"realtime": 0}
+    with pytest.raises(ConfigError, match="prio_weights"):
+        celery_prio.install(app)
+
+
+def test_reserve_must_be_below_concurrency():
+    s = load_settings({}, {"reserve": 4})
+    assert s.effective_reserve(8) == 4
+    with pytest.raises(ConfigError, match=r"prio_reserve=4 must be below the worker concurrency \(4\)"):
+        s.effective_reserve(4)
+
+
+def test_route_patterns():
+    s = load_settings({}, {"routes": {"ml.online.*": "realtime", "ml.*": "offline"}})
+    assert s.tier_for_task_name("ml.online.classify") is Tier.REALTIME
+    assert s.tier_for_task_name("ml.report") is Tier.OFFLINE
+    assert s.tier_for_task_name("billing.charge") is None

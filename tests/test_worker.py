@@ -1,0 +1,198 @@
+"""The consumer with real workers on real Redis and RabbitMQ (both, each test)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+from celery import chord
+
+from celery_prio.tiers import Tier
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+
+
+def tasks(env):
+    return env.app.tasks
+
+
+def starts(env, prefix=""):
+    return [e for e in env.log() if e["kind"] == "start" and e["tag"].startswith(prefix)]
+
+
+def backlog(env, n_rt=300, n_batch=60, n_off=30, off_seconds=0.2):
+    t = tasks(env)
+    for i in range(n_rt):
+        t["t.sleep"].apply_async((f"R{i}", 0.02), tier="realtime")
+    for i in range(n_batch):
+        t["t.sleep"].apply_async((f"B{i}", 0.1), tier="batch")
+    for i in range(n_off):
+        t["t.sleep"].apply_async((f"O{i}", off_seconds), tier="offline")
+
+
+def test_backlogged_tiers_share_slot_time_by_weight(env):
+    env.configure(min_share=0)  # the floor is tested on its own below
+    backlog(env)  # every tier has work from the first fetch on
+    env.start_worker(concurrency=4)
+    env.wait_for(lambda: len(starts(env)) >= 160, timeout=60, what="160 task starts")
+    log = env.log()
+    ends = {e["tag"]: e["t"] for e in log if e["kind"] == "end"}
+    # Measure while all three tiers are still backlogged: the first 140 starts.
+    window = [e for e in log if e["kind"] == "start"][:140]
+    t1 = window[-1]["t"]
+    busy = Counter()
+    for e in window:
+        busy[e["tag"][0]] += max(0.0, min(ends.get(e["tag"], t1), t1) - e["t"])
+    shares = {k: v / sum(busy.values()) for k, v in busy.items()}
+    assert shares["R"] == pytest.approx(8 / 11, abs=0.12), shares
+    assert shares["B"] == pytest.approx(2 / 11, abs=0.08), shares
+    assert shares["O"] == pytest.approx(1 / 11, abs=0.08), shares
+
+
+def test_offline_floor_holds_while_realtime_could_fill_the_worker(env):
+    # By weight (100:1:1) offline would get ~2 % of slot time; the floor
+    # (prio_min_share=10) lifts it to 10 %.
+    env.configure(weights={"realtime": 100, "batch": 1, "offline": 1}, min_share=10)
+    backlog(env, n_rt=600, n_batch=0, n_off=60)
+    env.start_worker(concurrency=4)
+    env.wait_for(lambda: len(starts(env)) >= 330, timeout=60, what="330 task starts")
+    log = env.log()
+    ends = {e["tag"]: e["t"] for e in log if e["kind"] == "end"}
+    window = [e for e in log if e["kind"] == "start"][:300]
+    t1 = window[-1]["t"]
+    busy = Counter()
+    for e in window:
+        busy[e["tag"][0]] += max(0.0, min(ends.get(e["tag"], t1), t1) - e["t"])
+    share = busy["O"] / sum(busy.values())
+    assert 0.06 <= share <= 0.2, busy
+
+
+def test_realtime_starts_promptly_while_long_offline_tasks_fill_the_worker(env):
+    t = tasks(env)
+    env.start_worker(concurrency=4)
+    for i in range(8):
+        t["t.slow_late"].delay(f"long{i}", 4.0)
+    env.wait_for(lambda: len(starts(env, "long")) >= 3, what="3 long offline tasks running")
+    time.sleep(0.3)
+    assert len(starts(env, "long")) == 3  # the 4th slot is held for realtime
+    sent = time.time()
+    t["t.rt_sleep"].delay("rt", 0.05)
+    env.wait_for(lambda: starts(env, "rt"), timeout=10, what="the realtime task to start")
+    waited = starts(env, "rt")[0]["t"] - sent
+    assert waited < 1.0, f"realtime waited {waited:.2f} s behind 4 s offline tasks"
+
+
+def test_eta_retry_and_chord_across_tiers(env):
+    t = tasks(env)
+    env.start_worker(concurrency=2)
+    sent = time.time()
+    eta = t["t.sleep"].apply_async(("eta", 0.0), countdown=1.5, tier="offline")
+    flaky = t["t.flaky"].delay("f")
+    result = chord([t["t.add"].s(i, i) for i in range(5)])(t["t.tsum"].s())
+    assert result.get(timeout=20) == 20
+    assert flaky.get(timeout=20) == "f"
+    assert eta.get(timeout=20) == "eta"
+    assert starts(env, "eta")[0]["t"] - sent >= 1.4
+    tries = [e["kind"] for e in env.log() if e["tag"] == "f"]
+    assert tries == ["try0", "try1"]
+
+
+def test_sigkill_mid_task_with_acks_late_loses_nothing(env):
+    env.configure(visibility_timeout=2)
+    t = tasks(env)
+    worker = env.start_worker(concurrency=2)
+    for i in range(6):
+        t["t.slow_late"].delay(f"k{i}", 1.5)
+    env.wait_for(lambda: len(starts(env, "k")) >= 2, what="two tasks running")
+    worker.kill()  # SIGKILL, worker and children, mid-task
+    killed_mid_task = {e["tag"] for e in starts(env)} - {e["tag"] for e in env.log() if e["kind"] == "end"}
+    assert killed_mid_task
+    env.start_worker(concurrency=2)
+    done = lambda: {e["tag"] for e in env.log() if e["kind"] == "end"}  # noqa: E731
+    env.wait_for(lambda: done() == {f"k{i}" for i in range(6)}, timeout=60, what="all 6 tasks to finish")
+
+
+def test_warm_shutdown_finishes_running_tasks_and_leaves_the_rest_queued(env):
+    t = tasks(env)
+    worker = env.start_worker(concurrency=2)
+    for i in range(6):
+        t["t.slow_late"].delay(f"w{i}", 1.0)
+    env.wait_for(lambda: len(starts(env, "w")) >= 2, what="two tasks running")
+    assert worker.stop() == 0
+    log = env.log()
+    started = {e["tag"] for e in log if e["kind"] == "start"}
+    ended = {e["tag"] for e in log if e["kind"] == "end"}
+    assert started == ended  # every started task finished
+    env.wait_for(lambda: env.depth(O) == 6 - len(ended), what="unstarted tasks back in the queue")
+
+
+def test_worker_with_q_serves_only_its_tier_and_queues_can_be_added(env):
+    t = tasks(env)
+    env.start_worker(concurrency=2, queues=[env.queue(R)])
+    t["t.sleep"].apply_async(("batch-1", 0.0), tier="batch")
+    assert t["t.rt_sleep"].delay("rt-1", 0.0).get(timeout=10) == "rt-1"
+    time.sleep(0.5)
+    assert env.depth(B) == 1
+    active = env.app.control.inspect(timeout=2).active_queues()
+    assert [q["name"] for q in next(iter(active.values()))] == [env.queue(R)]
+    env.app.control.add_consumer(env.queue(B), reply=True, timeout=2)
+    env.wait_for(lambda: starts(env, "batch-1"), what="the batch task after add_consumer")
+    env.app.control.cancel_consumer(env.queue(B), reply=True, timeout=2)
+    t["t.sleep"].apply_async(("batch-2", 0.0), tier="batch")
+    time.sleep(0.5)
+    assert env.depth(B) == 1
+
+
+def test_inspect_stats_show_per_tier_dispatch_counts(env):
+    t = tasks(env)
+    env.start_worker(concurrency=2)
+    tiers = ["realtime", "p0", "batch", 1, "offline"]
+    results = [t["t.sleep"].apply_async((f"s{i}", 0.0), tier=tier) for i, tier in enumerate(tiers)]
+    [r.get(timeout=10) for r in results]
+    stats = next(iter(env.app.control.inspect(timeout=2).stats().values()))
+    prio = stats["prio"]["tiers"]
+    assert (prio["realtime"]["dispatched"], prio["batch"]["dispatched"], prio["offline"]["dispatched"]) == (2, 2, 1)
+    assert prio["realtime"]["configured_share"] == pytest.approx(8 / 11, abs=1e-3)
+    assert stats["prefetch_count"] == 2
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_threads_and_solo_pools(env, pool):
+    t = tasks(env)
+    env.start_worker(concurrency=2, pool=pool)
+    results = [t["t.sleep"].apply_async((f"p{i}", 0.01), tier=i % 3) for i in range(6)]
+    assert sorted(r.get(timeout=15) for r in results) == [f"p{i}" for i in range(6)]
+
+
+def test_bad_messages_are_rejected_and_the_worker_keeps_serving(env):
+    t = tasks(env)
+    worker = env.start_worker(concurrency=2)
+    env.app.send_task("t.not_registered", queue=env.queue(B))
+    with env.app.producer_or_acquire() as producer:
+        producer.publish(b"\x80\x04 not json", routing_key=env.queue(B), exchange=env.queue(B),
+                         content_type="application/x-python-serialize", content_encoding="binary",
+                         headers={"task": "t.noop", "id": "pickled-1"})
+    assert t["t.sleep"].apply_async(("after", 0.0), tier="batch").get(timeout=10) == "after"
+    env.wait_for(lambda: env.depth(B) == 0, what="bad messages gone from the queue")
+    log = worker.log()
+    assert "Received unregistered task of type 't.not_registered'" in log
+    assert worker.proc.poll() is None
+
+
+def test_idle_worker_makes_bounded_broker_calls(env):
+    env.start_worker(concurrency=2)
+    inspect = env.app.control.inspect(timeout=5, limit=1)
+
+    def calls():
+        return next(iter(inspect.stats().values()))["prio"]["broker_calls"], time.monotonic()
+
+    before, t0 = calls()
+    time.sleep(2.0)
+    after, t1 = calls()
+    # Idle: 3 tiers polled at most once per prio_poll_interval (0.05 s) -> <= 60/s.
+    assert (after - before) / (t1 - t0) <= 66

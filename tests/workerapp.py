@@ -1,0 +1,102 @@
+"""The Celery app the integration tests start real workers of.
+
+``make_app`` builds one app per test (own broker, queue prefix, Redis db).
+Worker processes build theirs from the environment: PRIO_TEST_BROKER,
+PRIO_TEST_BACKEND, PRIO_TEST_PREFIX, PRIO_TEST_SETTINGS (JSON of install()
+overrides), PRIO_TEST_VISIBILITY (Redis visibility timeout) and
+PRIO_TEST_PLAIN=1 for a plain Celery app. Tasks log their start and end to
+the Redis list ``<prefix>:log`` on the result backend's Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_prio
+
+
+def make_app(
+    prefix: str,
+    broker: str,
+    backend: str,
+    settings: dict[str, Any] | None = None,
+    visibility_timeout: float = 3600,
+    plain: bool = False,
+) -> Celery:
+    app = Celery("workerapp", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_expires=600,
+        broker_transport_options={"visibility_timeout": visibility_timeout},
+    )
+    if not plain:
+        celery_prio.install(app, queue_prefix=prefix, **(settings or {}))
+    recorder = redis.Redis.from_url(backend)
+    log_key = f"{prefix}:log"
+
+    def record(kind: str, tag: str) -> None:
+        recorder.rpush(log_key, json.dumps({"kind": kind, "tag": tag, "t": time.time(), "pid": os.getpid()}))
+
+    @app.task(shared=False, name="t.sleep")
+    def sleep(tag: str, seconds: float) -> str:
+        record("start", tag)
+        time.sleep(seconds)
+        record("end", tag)
+        return tag
+
+    @app.task(shared=False, name="t.rt_sleep", tier="realtime")
+    def rt_sleep(tag: str, seconds: float) -> str:
+        return sleep(tag, seconds)
+
+    @app.task(shared=False, name="t.slow_late", acks_late=True, tier="offline")
+    def slow_late(tag: str, seconds: float) -> str:
+        return sleep(tag, seconds)
+
+    @app.task(shared=False, name="t.flaky", bind=True, max_retries=3, tier="batch")
+    def flaky(self, tag: str) -> str:
+        record(f"try{self.request.retries}", tag)
+        if self.request.retries < 1:
+            raise self.retry(countdown=0.5)
+        return tag
+
+    @app.task(shared=False, name="t.add", tier="realtime")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @app.task(shared=False, name="t.tsum", tier="offline")
+    def tsum(values: list[int]) -> int:
+        return sum(values)
+
+    @app.task(shared=False, name="t.noop")
+    def noop() -> None:
+        return None
+
+    return app
+
+
+def _from_env() -> Celery:
+    env = os.environ
+    return make_app(
+        prefix=env.get("PRIO_TEST_PREFIX", "prio"),
+        broker=env.get("PRIO_TEST_BROKER", "redis://127.0.0.1:6379/13"),
+        backend=env.get("PRIO_TEST_BACKEND", "redis://127.0.0.1:6379/13"),
+        settings=json.loads(env.get("PRIO_TEST_SETTINGS", "{}")),
+        visibility_timeout=float(env.get("PRIO_TEST_VISIBILITY", 3600)),
+        plain=env.get("PRIO_TEST_PLAIN") == "1",
+    )
+
+
+def __getattr__(name: str) -> Celery:
+    # ``celery -A tests.workerapp`` asks for ``app``; built on demand so that
+    # importing make_app in the test process creates no stray app.
+    if name == "app":
+        globals()["app"] = built = _from_env()
+        return built
+    raise AttributeError(name)
