@@ -13,5 +13,5 @@ from .errors import ConfigError, QueueFull
 from .install import install, settings_for
 from .tiers import TIERS, Tier, parse_tier
 
-__all__ = ["install", "settings_for", "QueueFull", "ConfigError", "Tier", "TIERS", "parse_tier"]
+__all__ = ["TIERS", "ConfigError", "QueueFull", "Tier", "install", "parse_tier", "settings_for"]
 __version__ = "0.1.0"

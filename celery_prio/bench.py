@@ -37,6 +37,7 @@ from .workers import WorkerProcess
 
 BROKER_URLS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
 RECORD_URL = "redis://127.0.0.1:6379/14"
+NO_CAPS = {"realtime": None, "batch": None, "offline": None}
 
 
 @dataclass
@@ -73,10 +74,10 @@ def _broker_kind(url: str) -> str:
 class Run:
     """One benchmark setup: its app (client side), its worker and its queues."""
 
-    def __init__(self, mode: str, broker: str, logdir: Path, concurrency: int, **prio_settings: Any) -> None:
+    def __init__(self, mode: str, broker: str, logdir: Path, concurrency: int, **app_options: Any) -> None:
         self.mode, self.broker = mode, broker
         self.prefix = f"bench{uuid.uuid4().hex[:8]}"
-        self.app = make_app(mode, broker, self.prefix, RECORD_URL, **prio_settings)
+        self.app = make_app(mode, broker, self.prefix, RECORD_URL, **app_options)
         self.task = self.app.tasks["bench.work"]
         self.kind = _broker_kind(broker)
         self.records = redis.Redis.from_url(RECORD_URL)
@@ -84,10 +85,18 @@ class Run:
         self.worker: WorkerProcess | None = None
 
     def start_worker(self) -> None:
-        env = {"BENCH_MODE": self.mode, "BENCH_BROKER": self.broker, "BENCH_PREFIX": self.prefix,
-               "BENCH_RECORD": RECORD_URL}
-        self.worker = WorkerProcess("celery_prio.benchapp", log_path=self.logdir / f"{self.prefix}-{self.mode}.log",
-                                    concurrency=self.concurrency, env=env)
+        env = {
+            "BENCH_MODE": self.mode,
+            "BENCH_BROKER": self.broker,
+            "BENCH_PREFIX": self.prefix,
+            "BENCH_RECORD": RECORD_URL,
+        }
+        self.worker = WorkerProcess(
+            "celery_prio.benchapp",
+            log_path=self.logdir / f"{self.prefix}-{self.mode}.log",
+            concurrency=self.concurrency,
+            env=env,
+        )
         self.worker.wait_ready()
 
     def publish(self, tier: str, seconds: float) -> None:
@@ -159,11 +168,18 @@ def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, w: 
     if offline_done < w.offline_backlog:  # someone is still waiting at the end
         offline_waits.append(t_end - t0)
     return {
-        "realtime": {"sent": sent_rt, "done": len([r for r in records if r[0] == "realtime"]),
-                     "p50_ms": percentile(rt, 50) * 1000, "p99_ms": percentile(rt, 99) * 1000},
+        "realtime": {
+            "sent": sent_rt,
+            "done": len([r for r in records if r[0] == "realtime"]),
+            "p50_ms": percentile(rt, 50) * 1000,
+            "p99_ms": percentile(rt, 99) * 1000,
+        },
         "batch": {"done": batch_done, "per_s": batch_done / w.duration},
-        "offline": {"done": offline_done, "started_in_run": len(offline_starts),
-                    "longest_wait_s": max(offline_waits) if offline_waits else 0.0},
+        "offline": {
+            "done": offline_done,
+            "started_in_run": len(offline_starts),
+            "longest_wait_s": max(offline_waits) if offline_waits else 0.0,
+        },
     }
 
 
@@ -187,8 +203,8 @@ def run_drain(mode: str, broker: str, n: int, concurrency: int, logdir: Path) ->
     return (len(starts) - 10) / (starts[-1] - starts[9])
 
 
-def run_publish(mode: str, broker: str, n: int, logdir: Path) -> float:
-    run = Run(mode, broker, logdir, 1)
+def run_publish(mode: str, broker: str, n: int, logdir: Path, **app_options: Any) -> float:
+    run = Run(mode, broker, logdir, 1, **app_options)
     try:
         run.publish("batch", 0.0)  # connect and declare outside the timing
         t = time.perf_counter()
@@ -201,15 +217,22 @@ def run_publish(mode: str, broker: str, n: int, logdir: Path) -> float:
 
 def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir: Path, out=print) -> dict[str, Any]:
     kind = _broker_kind(broker)
-    out(f"\n== {kind}: mixed workload, {w.duration:.0f} s, concurrency {w.concurrency}, "
+    out(
+        f"\n== {kind}: mixed workload, {w.duration:.0f} s, concurrency {w.concurrency}, "
         f"realtime {w.rt_rate:.0f}/s x {w.rt_seconds * 1000:.0f} ms, batch {w.batch_seconds * 1000:.0f} ms, "
-        f"offline backlog {w.offline_backlog} x {w.offline_seconds:.1f} s")
+        f"offline backlog {w.offline_backlog} x {w.offline_seconds:.1f} s"
+    )
     mixed = {mode: run_mixed(mode, broker, w, logdir) for mode in ("fifo", "native", "prio")}
-    out(f"{'setup':<8}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}{'off done':>10}{'off max wait s':>16}")
+    out(
+        f"{'setup':<8}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}"
+        f"{'off done':>10}{'off max wait s':>16}"
+    )
     for mode, m in mixed.items():
-        out(f"{mode:<8}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
+        out(
+            f"{mode:<8}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
             f"{m['realtime']['done']:>6}/{m['realtime']['sent']:<3}{m['batch']['per_s']:>9.1f}"
-            f"{m['offline']['done']:>10}{m['offline']['longest_wait_s']:>16.1f}")
+            f"{m['offline']['done']:>10}{m['offline']['longest_wait_s']:>16.1f}"
+        )
     native, prio = mixed["native"], mixed["prio"]
     ratios = {
         "realtime_p99_prio_over_native": prio["realtime"]["p99_ms"] / native["realtime"]["p99_ms"],
@@ -217,31 +240,61 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         "batch_throughput_prio_over_native": prio["batch"]["per_s"] / max(native["batch"]["per_s"], 1e-9),
         "offline_done_prio_vs_native": [prio["offline"]["done"], native["offline"]["done"]],
     }
-    out(f"ratios: realtime P99 prio/native = {ratios['realtime_p99_prio_over_native']:.2f} (target <= 0.4), "
+    out(
+        f"ratios: realtime P99 prio/native = {ratios['realtime_p99_prio_over_native']:.2f} (target <= 0.4), "
         f"prio/fifo = {ratios['realtime_p99_prio_over_fifo']:.3f}; "
         f"batch throughput prio/native = {ratios['batch_throughput_prio_over_native']:.2f} (target >= 0.8); "
-        f"offline done prio {prio['offline']['done']} vs native {native['offline']['done']}")
+        f"offline done prio {prio['offline']['done']} vs native {native['offline']['done']}"
+    )
 
     drain = {mode: run_drain(mode, broker, drain_n, w.concurrency, logdir) for mode in ("fifo", "prio")}
     drain_ratio = drain["prio"] / drain["fifo"]
-    out(f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
-        f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)")
-    pub: dict[str, list[float]] = {"fifo": [], "prio": []}
-    for _ in range(3):  # interleaved, best of three: the machine's noise hits both
-        for mode in pub:
-            pub[mode].append(run_publish(mode, broker, publish_n, logdir))
-    publish = {mode: max(v) for mode, v in pub.items()}
-    publish_ratio = publish["prio"] / publish["fifo"]
-    out(f"publish ({publish_n} tasks): plain apply_async {publish['fifo']:.0f}/s, through the router "
-        f"{publish['prio']:.0f}/s, ratio {publish_ratio:.2f} (target >= 0.9)")
-    return {"mixed": mixed, "ratios": ratios, "drain_per_s": drain, "drain_ratio": drain_ratio,
-            "publish_per_s": publish, "publish_ratio": publish_ratio}
+    out(
+        f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
+        f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
+    )
+    setups: dict[str, tuple[str, dict[str, Any]]] = {
+        "plain": ("fifo", {}),
+        "router": ("prio", {"max_length": NO_CAPS}),
+        "admission": ("prio", {}),
+    }
+    if kind == "amqp":  # RabbitMQ only reports a full reject-publish queue through confirms
+        setups["plain_confirms"] = ("fifo", {"confirm": True})
+    pub: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(3):  # interleaved, best of three: the machine's noise hits every setup
+        for name, (mode, options) in setups.items():
+            pub[name].append(run_publish(mode, broker, publish_n, logdir, **options))
+    publish = {name: max(v) for name, v in pub.items()}
+    publish_ratio = publish["router"] / publish["plain"]
+    admission_ratio = publish["admission"] / publish["plain"]
+    out(
+        f"publish ({publish_n} tasks): plain apply_async {publish['plain']:.0f}/s; through the router "
+        f"{publish['router']:.0f}/s, ratio {publish_ratio:.2f} (target >= 0.9); with admission control "
+        f"{publish['admission']:.0f}/s, ratio {admission_ratio:.2f} (target >= 0.8)"
+    )
+    if kind == "amqp":
+        out(
+            f"  plain apply_async with publisher confirms {publish['plain_confirms']:.0f}/s; admission / that "
+            f"= {publish['admission'] / publish['plain_confirms']:.2f} (the confirm round trip is the cost)"
+        )
+    return {
+        "mixed": mixed,
+        "ratios": ratios,
+        "drain_per_s": drain,
+        "drain_ratio": drain_ratio,
+        "publish_per_s": publish,
+        "publish_ratio": publish_ratio,
+        "admission_ratio": admission_ratio,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="celery-prio bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--broker", action="append",
-                        help="redis, amqp or a broker URL; repeat for several (default: both local brokers)")
+    parser.add_argument(
+        "--broker",
+        action="append",
+        help="redis, amqp or a broker URL; repeat for several (default: both local brokers)",
+    )
     parser.add_argument("--duration", type=float, default=Workload.duration, help="seconds of realtime stream")
     parser.add_argument("--concurrency", type=int, default=Workload.concurrency)
     parser.add_argument("--rt-rate", type=float, default=Workload.rt_rate, help="realtime requests per second")

@@ -29,7 +29,7 @@ NATIVE_PRIORITY = {
 }
 
 
-def make_app(mode: str, broker: str, prefix: str, record_url: str, **prio_settings) -> Celery:
+def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool = False, **prio_settings) -> Celery:
     if mode not in MODES:
         raise ValueError(f"unknown benchmark mode {mode!r}; valid: {', '.join(MODES)}")
     app = Celery(f"bench-{mode}", broker=broker, set_as_current=False)
@@ -46,6 +46,8 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, **prio_settin
         args = {"x-max-priority": 10} if mode == "native" else None
         app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name, queue_arguments=args)]
         app.conf.task_default_queue = name
+        if confirm:  # plain Celery with publisher confirms: the baseline for RabbitMQ admission
+            app.conf.broker_transport_options = {"confirm_publish": True}
         if mode == "native":
             app.conf.worker_prefetch_multiplier = 1
             app.conf.task_acks_late = True

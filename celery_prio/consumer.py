@@ -25,7 +25,8 @@ from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 from kombu.serialization import prepare_accept_content
 
-from .brokers.redis import RESTORE_INTERVAL, restore_expired_unacked
+from .brokers.amqp import declare_tier_queues
+from .brokers.redis import RESTORE_INTERVAL, report_drain_rates, restore_expired_unacked
 from .install import settings_for
 from .scheduler import TierScheduler
 from .settings import PrioSettings
@@ -37,7 +38,9 @@ logger = get_logger(__name__)
 # short lull is picked up at once, settle at ``prio_poll_interval`` so an
 # idle worker makes a bounded number of broker calls per second.
 MIN_BACKOFF_FRACTION = 1 / 16
+PROBE_FRACTION = 1 / 10  # an empty tier is re-asked after poll_interval / 10 at the soonest
 RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
+RATE_INTERVAL = 2.0  # seconds between drain-rate reports (Redis: Retry-After for publishers)
 
 
 class TierFetcher:
@@ -63,6 +66,9 @@ class TierFetcher:
         # A channel of our own: basic_get round trips and the acks of the
         # messages they return live on it.
         self.channel = consumer.connection.channel()
+        self.broker = consumer.connection.transport.driver_type
+        if self.broker == "amqp":
+            self.channel = declare_tier_queues(self.channel, settings)
         self.accept = prepare_accept_content(app.conf.accept_content)
         self.queues: list[Any] = []
         self.on_message = None  # set by Celery's loop to its task handler
@@ -83,6 +89,8 @@ class TierFetcher:
         self.broker_calls = 0
         self._housekeeping: list[Any] = []
         self._reap_scheduled = False
+        self._empty_at: dict[Tier, float] = {t: float("-inf") for t in TIERS}
+        self._probe_interval = settings.poll_interval * PROBE_FRACTION
         for queue in app.amqp.queues.consume_from.values():
             self.add_queue(queue)
 
@@ -110,10 +118,11 @@ class TierFetcher:
             # Safety net for requests that end without a pool callback
             # (revoked before they ran, cancelled): retire them anyway.
             self._housekeeping.append(self.hub.call_repeatedly(RECONCILE_INTERVAL, self._reap_and_pump))
-            if self.c.connection.transport.driver_type == "redis":
-                self._housekeeping.append(
-                    self.hub.call_repeatedly(RESTORE_INTERVAL, restore_expired_unacked, self.channel)
-                )
+            if self.broker == "redis":
+                self._housekeeping += [
+                    self.hub.call_repeatedly(RESTORE_INTERVAL, restore_expired_unacked, self.channel),
+                    self.hub.call_repeatedly(RATE_INTERVAL, self._report_rates),
+                ]
 
     def cancel(self) -> None:
         self.active = False
@@ -205,8 +214,8 @@ class TierFetcher:
     def _deliver(self, tier: Tier, message: Any) -> None:
         if message.errors:
             try:
-                message._reraise_error()  # noqa: SLF001 - kombu keeps the decode error there
-            except Exception as exc:  # noqa: BLE001 - handed to Celery's handler, which acks
+                message._reraise_error()
+            except Exception as exc:
                 self.c.on_decode_error(message, exc)
             return
         self._fetching = tier
@@ -228,10 +237,16 @@ class TierFetcher:
             order = self.scheduler.order()
             if not order:
                 return  # no free slot: a finishing task calls pump again
+            now = time.monotonic()
             for tier in order:
+                # A tier found empty a moment ago is not asked again at once:
+                # on a busy worker that would double the broker round trips.
+                if now - self._empty_at[tier] < self._probe_interval:
+                    continue
                 message = self._get(tier)
                 if message is not None:
                     break
+                self._empty_at[tier] = now
                 self.scheduler.empty(tier)
             else:
                 self._retry_later()
@@ -244,6 +259,15 @@ class TierFetcher:
         if self._timer is None and self.active:
             self._timer = self.hub.call_later(self._backoff, self.pump)
             self._backoff = min(self._backoff * 2, self.settings.poll_interval)
+
+    def _report_rates(self) -> None:
+        now = time.monotonic()
+        counts = {t: st.dispatched for t, st in self.scheduler.tiers.items()}
+        last_at, last = getattr(self, "_rate_mark", (now, counts))
+        self._rate_mark = (now, counts)
+        if now > last_at:
+            rates = {t: (counts[t] - last[t]) / (now - last_at) for t in TIERS}
+            report_drain_rates(self.channel, self.settings.stats_key, self.c.hostname, rates)
 
     # -- reporting -----------------------------------------------------------
     def info(self) -> dict[str, Any]:

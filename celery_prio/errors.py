@@ -9,7 +9,7 @@ class ConfigError(ValueError):
     """A ``prio_*`` setting has a bad value; the message names the setting and the value."""
 
 
-class QueueFull(Exception):  # noqa: N818 - public name fixed by the design
+class QueueFull(Exception):
     """A tier refused a publish because it is at its maximum length.
 
     Carries what an HTTP front door needs to answer ``429 Too Many Requests``
@@ -23,6 +23,4 @@ class QueueFull(Exception):  # noqa: N818 - public name fixed by the design
         self.waiting = waiting
         self.retry_after = max(0.0, float(retry_after))
         count = "" if waiting is None else f" ({waiting} waiting)"
-        super().__init__(
-            f"{tier.label} tier is full{count}; retry after {self.retry_after:.1f} s"
-        )
+        super().__init__(f"{tier.label} tier is full{count}; retry after {self.retry_after:.1f} s")

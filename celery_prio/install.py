@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery, signals
+from kombu import Connection
 
+from .admission import guard_send_task
 from .routing import make_router, register_tier_queues, stamp_enqueue_time, tier_queues
 from .settings import DEFAULTS, PrioSettings, load_settings
 from .tiers import parse_tier
 
+logger = logging.getLogger(__name__)
+
 CONSUMER_PATH = "celery_prio.consumer:PrioConsumer"
+REDIS_TRANSPORT_PATH = "celery_prio.brokers.redis_transport:Transport"
+
+
+def broker_kind(app: Celery) -> str:
+    """'redis', 'amqp' or another kombu driver type, from the broker URL (no connection made)."""
+    url = app.conf.broker_write_url or app.conf.broker_url or "amqp://"
+    scheme = url.split("://", 1)[0]
+    if scheme in ("redis", "rediss", "sentinel"):
+        return "redis"
+    if scheme in ("amqp", "amqps", "pyamqp"):
+        return "amqp"
+    return Connection(url).transport.driver_type
 
 
 def install(app: Celery, **overrides: Any) -> PrioSettings:
@@ -24,13 +41,14 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     settings = load_settings(app.conf, overrides)
     for name, value in overrides.items():
         app.conf[f"prio_{name.removeprefix('prio_')}"] = value
-    app._celery_prio_settings = settings  # noqa: SLF001 - cached for settings_for()
+    app._celery_prio_settings = settings
 
     # Queues: keep the user's, add the three tiers (so a plain
     # ``celery -A app worker`` consumes them and tools can list them).
+    kind = broker_kind(app)
     existing = list(app.conf.task_queues or [])
     names = {q.name for q in existing}
-    queues = existing + [q for q in tier_queues(settings) if q.name not in names]
+    queues = existing + [q for q in tier_queues(settings, kind) if q.name not in names]
     app.conf.task_queues = queues
     app.conf.task_default_queue = settings.queue_name(settings.default_tier)
     app.conf.task_default_exchange = settings.queue_name(settings.default_tier)
@@ -50,7 +68,32 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     # tiers replace broker priorities, so one step is enough.
     options = dict(app.conf.broker_transport_options or {})
     options.setdefault("priority_steps", [0])
+    if kind == "redis":
+        # Capacity on Redis lives in an atomic publish script (kombu's Redis
+        # transport has no max-length); the subclass runs it for tier queues.
+        url = app.conf.broker_url or ""
+        if app.conf.broker_transport in (None, "redis") and url.startswith(("redis://", "rediss://")):
+            app.conf.broker_transport = REDIS_TRANSPORT_PATH
+        elif app.conf.broker_transport != REDIS_TRANSPORT_PATH:
+            logger.warning(
+                "celery-prio: broker transport %r keeps kombu's Redis publish; prio_max_length is not enforced",
+                app.conf.broker_transport or url,
+            )
+        options["prio_caps"] = {
+            settings.queue_name(t): [cap, settings.overflow[t], t.label]
+            for t, cap in settings.max_length.items()
+            if cap is not None
+        }
+        options["prio_dead_queue"] = settings.dead_letter_queue
+        options["prio_stats_key"] = settings.stats_key
+    elif kind == "amqp" and any(
+        settings.max_length[t] is not None and settings.overflow[t] == "reject" for t in settings.max_length
+    ):
+        # A full reject-publish queue only tells a publisher that uses confirms
+        # (one broker round trip per publish: the price of never losing one).
+        options["confirm_publish"] = True
     app.conf.broker_transport_options = options
+    guard_send_task(app, settings, kind)
 
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
@@ -63,7 +106,7 @@ def settings_for(app: Celery) -> PrioSettings:
     cached = getattr(app, "_celery_prio_settings", None)
     if cached is None:
         cached = load_settings(app.conf)
-        app._celery_prio_settings = cached  # noqa: SLF001
+        app._celery_prio_settings = cached
     return cached
 
 
@@ -78,4 +121,4 @@ def _check_task_tiers(sender: Celery, **_: Any) -> None:
                 raise ValueError(f"task {name!r}: {exc}") from None
 
 
-__all__ = ["install", "settings_for", "DEFAULTS"]
+__all__ = ["DEFAULTS", "install", "settings_for"]

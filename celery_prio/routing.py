@@ -14,6 +14,7 @@ from typing import Any
 
 from kombu import Exchange, Queue
 
+from .admission import last_route
 from .settings import PrioSettings
 from .tiers import TIERS, Tier, parse_tier
 
@@ -28,8 +29,16 @@ PROMOTED_HEADER = "prio_promoted_from"
 _TIER_QUEUES: set[str] = set()
 
 
-def tier_queues(settings: PrioSettings) -> list[Queue]:
-    """The three real queues, declared like Celery's own (a direct exchange per queue)."""
+def tier_queues(settings: PrioSettings, broker_kind: str) -> list[Queue]:
+    """The three real queues, declared like Celery's own (a direct exchange per queue).
+
+    On RabbitMQ they carry the capacity arguments (see ``brokers/amqp``); on
+    Redis capacity lives in the publish script instead.
+    """
+    if broker_kind == "amqp":
+        from .brokers.amqp import tier_queue
+
+        return [tier_queue(settings, tier) for tier in TIERS]
     queues = []
     for tier in TIERS:
         name = settings.queue_name(tier)
@@ -47,6 +56,8 @@ def make_router(settings: PrioSettings):
         if raw is None and task is not None:
             raw = getattr(task, "tier", None)
         tier: Tier | None = parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
+        # Remembered for admission: a refused publish names its tier.
+        last_route.tier = settings.default_tier if tier is None else tier
         if tier is None:
             return None
         return {"queue": queue_for[tier]}
@@ -59,8 +70,9 @@ def register_tier_queues(settings: PrioSettings) -> None:
     _TIER_QUEUES.update(settings.queue_name(t) for t in TIERS)
 
 
-def stamp_enqueue_time(sender: Any = None, routing_key: str | None = None,
-                       headers: dict | None = None, **_: Any) -> None:
+def stamp_enqueue_time(
+    sender: Any = None, routing_key: str | None = None, headers: dict | None = None, **_: Any
+) -> None:
     """``before_task_publish`` receiver: record when the message entered its tier."""
     if headers is not None and routing_key in _TIER_QUEUES:
         headers[ENQUEUED_HEADER] = time.time()

@@ -120,10 +120,7 @@ class TierScheduler:
             return []
         # Until one of its tasks finished, a tier's run time is a guess: give it
         # one slot, not a burst of slots it might hold for minutes.
-        candidates = [
-            t for t in TIERS
-            if t in self.served and (self.tiers[t].measured or self.tiers[t].running == 0)
-        ]
+        candidates = [t for t in TIERS if t in self.served and (self.tiers[t].measured or self.tiers[t].running == 0)]
         if not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
         weights = self.effective_weights()

@@ -41,9 +41,7 @@ def _per_tier(name: str, value: Any, default: Mapping[str, Any]) -> dict[Tier, A
     if value is None:
         return merged
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"prio_{name} must be a dict keyed by tier (realtime/batch/offline), got {value!r}"
-        )
+        raise ConfigError(f"prio_{name} must be a dict keyed by tier (realtime/batch/offline), got {value!r}")
     for key, item in value.items():
         try:
             merged[parse_tier(key)] = item
@@ -84,6 +82,11 @@ class PrioSettings:
     def dead_letter_queue(self) -> str:
         return f"{self.queue_prefix}.dead"
 
+    @property
+    def stats_key(self) -> str:
+        """Redis hash of broker-side counters (rejected/dropped per tier)."""
+        return f"{self.queue_prefix}.stats"
+
     def tier_for_queue(self, name: str) -> Tier | None:
         for tier in TIERS:
             if name == self.queue_name(tier):
@@ -121,9 +124,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     for name, value in (overrides or {}).items():
         key = name.removeprefix("prio_")
         if key not in DEFAULTS:
-            raise ConfigError(
-                f"unknown celery-prio setting {name!r}; known settings: {', '.join(SETTING_NAMES)}"
-            )
+            raise ConfigError(f"unknown celery-prio setting {name!r}; known settings: {', '.join(SETTING_NAMES)}")
         raw[key] = value
 
     weights = {
@@ -131,9 +132,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         for t, w in _per_tier("weights", raw["weights"], DEFAULTS["weights"]).items()
     }
     reserve = raw["reserve"]
-    if reserve is not None and (
-        not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0
-    ):
+    if reserve is not None and (not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0):
         raise ConfigError(f"prio_reserve must be a whole number >= 0 or None, got {reserve!r}")
     min_share = _number("min_share", raw["min_share"], minimum=0)
     if min_share > 100:
@@ -152,9 +151,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     overflow = _per_tier("overflow", raw["overflow"], DEFAULTS["overflow"])
     for t, v in overflow.items():
         if v not in OVERFLOW_POLICIES:
-            raise ConfigError(
-                f"prio_overflow[{t.label}] must be one of {OVERFLOW_POLICIES}, got {v!r}"
-            )
+            raise ConfigError(f"prio_overflow[{t.label}] must be one of {OVERFLOW_POLICIES}, got {v!r}")
 
     prefix = raw["queue_prefix"]
     if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):

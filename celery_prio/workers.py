@@ -35,9 +35,20 @@ class WorkerProcess:
     ) -> None:
         self.log_path = Path(log_path)
         args = [
-            sys.executable, "-m", "celery", "-A", app, "worker",
-            "-l", "INFO", "-c", str(concurrency), "-P", pool,
-            "--without-mingle", "--without-gossip",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-l",
+            "INFO",
+            "-c",
+            str(concurrency),
+            "-P",
+            pool,
+            "--without-mingle",
+            "--without-gossip",
         ]
         if queues:
             args += ["-Q", ",".join(queues)]
@@ -45,9 +56,13 @@ class WorkerProcess:
             args += ["-n", hostname]
         args += list(extra_args)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
-            args, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
         )
 
     @property

@@ -101,8 +101,13 @@ class PrioEnv:
     def start_worker(self, concurrency: int = 4, wait: bool = True, **kwargs: Any) -> WorkerProcess:
         n = len(self.workers)
         worker = WorkerProcess(
-            "tests.workerapp", log_path=self.tmp_path / f"worker{n}.log", concurrency=concurrency,
-            hostname=f"w{n}-{self.prefix}@%h", env=self.worker_env(), cwd=ROOT, **kwargs,
+            "tests.workerapp",
+            log_path=self.tmp_path / f"worker{n}.log",
+            concurrency=concurrency,
+            hostname=f"w{n}-{self.prefix}@%h",
+            env=self.worker_env(),
+            cwd=ROOT,
+            **kwargs,
         )
         self.workers.append(worker)
         return worker.wait_ready() if wait else worker

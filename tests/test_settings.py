@@ -12,8 +12,17 @@ from celery_prio.settings import load_settings
 
 @pytest.mark.parametrize(
     ("raw", "tier"),
-    [("realtime", Tier.REALTIME), ("P0", Tier.REALTIME), (0, Tier.REALTIME), ("batch", Tier.BATCH),
-     ("p1", Tier.BATCH), (1, Tier.BATCH), ("offline", Tier.OFFLINE), ("2", Tier.OFFLINE), (Tier.OFFLINE, Tier.OFFLINE)],
+    [
+        ("realtime", Tier.REALTIME),
+        ("P0", Tier.REALTIME),
+        (0, Tier.REALTIME),
+        ("batch", Tier.BATCH),
+        ("p1", Tier.BATCH),
+        (1, Tier.BATCH),
+        ("offline", Tier.OFFLINE),
+        ("2", Tier.OFFLINE),
+        (Tier.OFFLINE, Tier.OFFLINE),
+    ],
 )
 def test_tier_aliases(raw, tier):
     assert parse_tier(raw) is tier
@@ -21,7 +30,7 @@ def test_tier_aliases(raw, tier):
 
 @pytest.mark.parametrize("raw", ["urgent", 3, -1, None, True, 1.5, "p3", ""])
 def test_unknown_tier_names_the_valid_ones(raw):
-    with pytest.raises(ValueError, match="valid tiers: realtime|batch|offline"):
+    with pytest.raises(ValueError, match=r"valid tiers: realtime\|batch\|offline"):
         parse_tier(raw)
 
 

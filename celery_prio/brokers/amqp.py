@@ -1,12 +1,89 @@
-"""RabbitMQ (AMQP 0-9-1 through py-amqp)."""
+"""RabbitMQ (AMQP 0-9-1 through py-amqp).
+
+Capacity is RabbitMQ's own: ``x-max-length`` with ``x-overflow``
+``reject-publish`` (the publisher, which uses confirms, gets a nack that
+becomes ``QueueFull``) or ``drop-head`` (the oldest is dead-lettered through
+the ``<prefix>.dead`` fanout exchange into the ``<prefix>.dead`` queue, with
+RabbitMQ's ``x-death`` header giving reason, queue and time). That exchange
+is used for capacity drops only; aging re-publishes with confirms instead.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import urllib.parse
+import urllib.request
+from base64 import b64encode
 from typing import Any
 
-from amqp.exceptions import NotFound
+from amqp.exceptions import NotFound, PreconditionFailed
+from kombu import Exchange, Queue
 
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
 from .base import BrokerAdapter
+
+logger = logging.getLogger(__name__)
+
+OVERFLOW_ARG = {"reject": "reject-publish", "drop_oldest": "drop-head"}
+
+
+def queue_arguments(settings: PrioSettings, tier: Tier) -> dict[str, Any] | None:
+    cap = settings.max_length[tier]
+    if cap is None:
+        return None
+    args: dict[str, Any] = {"x-max-length": cap, "x-overflow": OVERFLOW_ARG[settings.overflow[tier]]}
+    if settings.overflow[tier] == "drop_oldest":
+        args["x-dead-letter-exchange"] = settings.dead_letter_queue
+    return args
+
+
+def tier_queue(settings: PrioSettings, tier: Tier) -> Queue:
+    name = settings.queue_name(tier)
+    # no_declare: kombu would redeclare with these arguments on every new
+    # connection and fail with PRECONDITION_FAILED after a cap change;
+    # declare_tier_queues() does it once and handles that case.
+    return Queue(
+        name,
+        Exchange(name, type="direct"),
+        routing_key=name,
+        queue_arguments=queue_arguments(settings, tier),
+        no_declare=True,
+    )
+
+
+def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> None:
+    """Declare tier queues and the dead-letter queue; survive a changed cap.
+
+    A queue declared earlier with other arguments cannot be redeclared
+    (RabbitMQ answers PRECONDITION_FAILED and closes the channel). Instead of
+    crashing, log what differs and how to fix it, and use the queue as it is.
+    """
+    dead = settings.dead_letter_queue
+    channel.exchange_declare(exchange=dead, type="fanout", durable=True, auto_delete=False)
+    channel.queue_declare(queue=dead, durable=True, auto_delete=False)
+    channel.queue_bind(queue=dead, exchange=dead, routing_key="")
+    for tier in tiers:
+        name = settings.queue_name(tier)
+        args = queue_arguments(settings, tier)
+        channel.exchange_declare(exchange=name, type="direct", durable=True, auto_delete=False)
+        try:
+            channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
+        except PreconditionFailed as exc:
+            logger.error(
+                "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow "
+                "ask for (%s): %s. Using the queue as it is. To apply the new cap, drain and delete the "
+                "queue (celery -A app prio purge), or set a RabbitMQ policy "
+                "(rabbitmqctl set_policy ... '{\"max-length\": N}').",
+                name,
+                args,
+                exc.reply_text,
+            )
+            channel = channel.connection.channel() if channel.is_closing or not channel.is_open else channel
+            channel.queue_declare(queue=name, passive=True)
+        channel.queue_bind(queue=name, exchange=name, routing_key=name)
+    return channel
 
 
 class AmqpAdapter(BrokerAdapter):
@@ -25,6 +102,7 @@ class AmqpAdapter(BrokerAdapter):
             return int(self._channel().queue_declare(queue=queue, passive=True).message_count)
         except NotFound:
             self.connection.close()  # a failed passive declare closes the channel
+            self.connection = self.app.connection_for_write()
             return 0
 
     def delete_queues(self, queues: list[str]) -> None:
@@ -33,5 +111,83 @@ class AmqpAdapter(BrokerAdapter):
             channel.queue_delete(queue=name)
             channel.exchange_delete(exchange=name)
 
+    # -- dead letters -------------------------------------------------------
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+        """Browse without consuming: fetch, describe, then give them all back."""
+        channel = self.connection.channel()
+        try:
+            out = []
+            for _ in range(limit):
+                message = channel.basic_get(queue=settings.dead_letter_queue, no_ack=False)
+                if message is None:
+                    break
+                out.append(describe_dead(message.headers or {}, message.properties))
+            return out
+        finally:
+            channel.close()  # unacked messages go back to the queue, in order
+
+    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int]:
+        """Publish dead messages back to their tier (with confirms), then ack them."""
+        moved = 0
+        with self.app.connection_for_write() as conn:
+            conn.transport_options["confirm_publish"] = True
+            channel = conn.channel()
+            channel.confirm_select()
+            before = channel.queue_declare(queue=settings.dead_letter_queue, passive=True).message_count
+            while limit is None or moved < limit:
+                raw = channel.basic_get(queue=settings.dead_letter_queue, no_ack=False)
+                if raw is None:
+                    break
+                origin = (raw.headers or {}).get("x-death", [{}])[0].get("queue")
+                tier = settings.tier_for_queue(origin or "")
+                cap = settings.max_length[tier] if tier is not None else None
+                # A drop-head tier never refuses: publishing into a full one
+                # would just evict another message into this queue. Stop at full.
+                if not origin or (
+                    cap is not None and channel.queue_declare(queue=origin, passive=True).message_count >= cap
+                ):
+                    channel.basic_reject(raw.delivery_tag, requeue=True)
+                    break
+                try:
+                    channel.basic_publish(raw, exchange="", routing_key=origin)
+                except Exception:  # nacked: the tier is full again
+                    channel.basic_reject(raw.delivery_tag, requeue=True)
+                    break
+                channel.basic_ack(raw.delivery_tag)
+                moved += 1
+            channel.close()
+        return moved, before - moved
+
+    def dead_purge(self, settings: PrioSettings) -> int:
+        return int(self._channel().queue_purge(queue=settings.dead_letter_queue) or 0)
+
+    def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
+        """Messages/s leaving the tier queue, from the management API (0 if unknown)."""
+        info = self.connection.info()
+        host = info.get("hostname") or "localhost"
+        vhost = info.get("virtual_host") or "/"
+        url = f"http://{host}:15672/api/queues/{urllib.parse.quote(vhost, safe='')}/{settings.queue_name(tier)}"
+        request = urllib.request.Request(url)
+        token = b64encode(f"{info.get('userid') or 'guest'}:{info.get('password') or 'guest'}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=0.3) as response:
+                stats = json.load(response).get("message_stats") or {}
+        except Exception:
+            return 0.0
+        return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
+
     def close(self) -> None:
         self.connection.release()
+
+
+def describe_dead(headers: dict[str, Any], properties: dict[str, Any] | None = None) -> dict[str, Any]:
+    death = (headers.get("x-death") or [{}])[0]
+    when = death.get("time")
+    return {
+        "id": headers.get("id"),
+        "task": headers.get("task"),
+        "reason": "drop_oldest" if death.get("reason") == "maxlen" else death.get("reason"),
+        "queue": death.get("queue"),
+        "at": when.timestamp() if hasattr(when, "timestamp") else when,
+    }

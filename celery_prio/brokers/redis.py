@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
 from .base import BrokerAdapter
+from .redis_scripts import DEAD_REQUEUE
+from .redis_transport import drain_rate
 
 
 class RedisAdapter(BrokerAdapter):
@@ -22,6 +28,49 @@ class RedisAdapter(BrokerAdapter):
     def delete_queues(self, queues: list[str]) -> None:
         for name in queues:
             self.client.delete(name, f"_kombu.binding.{name}")
+
+    # -- capacity bookkeeping -----------------------------------------------
+    def counters(self, settings: PrioSettings) -> dict[str, int]:
+        raw = self.client.hgetall(settings.stats_key)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
+        return drain_rate(self.client, settings.stats_key, tier.label)
+
+    # -- dead letters -------------------------------------------------------
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+        out = []
+        for raw in reversed(self.client.lrange(settings.dead_letter_queue, -limit, -1)):
+            entry = json.loads(raw)
+            message = json.loads(entry["message"])
+            headers = entry["headers"]
+            out.append(
+                {
+                    "id": message.get("headers", {}).get("id"),
+                    "task": message.get("headers", {}).get("task"),
+                    "reason": headers["prio_dead_reason"],
+                    "queue": headers["prio_dead_queue"],
+                    "at": headers["prio_dead_at"],
+                }
+            )
+        return out
+
+    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int]:
+        caps: list[Any] = []
+        for tier in TIERS:
+            cap = settings.max_length[tier]
+            caps += [settings.queue_name(tier), cap if cap is not None else 2**62]
+        moved, left = self.client.eval(
+            DEAD_REQUEUE, 1, settings.dead_letter_queue, limit if limit is not None else 2**62, *caps
+        )
+        return int(moved), int(left)
+
+    def dead_purge(self, settings: PrioSettings) -> int:
+        with self.client.pipeline() as pipe:
+            pipe.llen(settings.dead_letter_queue)
+            pipe.delete(settings.dead_letter_queue)
+            count, _ = pipe.execute()
+        return int(count)
 
     def close(self) -> None:
         self.connection.release()
@@ -43,3 +92,13 @@ def restore_expired_unacked(channel: Any) -> None:
         channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
     except channel.connection_errors:
         pass  # broken connection: the consumer reconnects, the next round retries
+
+
+def report_drain_rates(channel: Any, stats_key: str, worker: str, rates: dict[Tier, float]) -> None:
+    """Publish this worker's per-tier take rate; publishers turn it into Retry-After."""
+    now = time.time()
+    mapping = {f"{worker}|{tier.label}": f"{rate:.4f} {now:.3f}" for tier, rate in rates.items()}
+    try:
+        channel.client.hset(f"{stats_key}.rates", mapping=mapping)
+    except channel.connection_errors:
+        pass

@@ -1,0 +1,61 @@
+"""Lua scripts that make capacity and dead-lettering atomic on Redis.
+
+Tier lists follow kombu: LPUSH adds on the left, consumers RPOP the oldest on
+the right. A dead-letter entry is a JSON envelope around the untouched
+original message, so that requeueing gives Celery back exactly what it sent.
+"""
+
+from __future__ import annotations
+
+#: KEYS: tier list, dead list, stats hash.
+#: ARGV: message, cap, policy, tier label, now (epoch s).
+#: Returns {accepted (1/0), depth after (or depth seen when refused)}.
+GUARDED_PUSH = """
+local n = redis.call('LLEN', KEYS[1])
+local cap = tonumber(ARGV[2])
+if n < cap then
+  redis.call('LPUSH', KEYS[1], ARGV[1])
+  return {1, n + 1}
+end
+if ARGV[3] ~= 'drop_oldest' then
+  redis.call('HINCRBY', KEYS[3], 'rejected:' .. ARGV[4], 1)
+  return {0, n}
+end
+local evicted = 0
+while n >= cap do
+  local old = redis.call('RPOP', KEYS[1])
+  if not old then break end
+  local envelope = cjson.encode({
+    headers = {prio_dead_reason = 'drop_oldest', prio_dead_tier = ARGV[4],
+               prio_dead_at = tonumber(ARGV[5]), prio_dead_queue = KEYS[1]},
+    message = old})
+  redis.call('LPUSH', KEYS[2], envelope)
+  evicted = evicted + 1
+  n = n - 1
+end
+redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[4], evicted)
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return {1, n + 1}
+"""
+
+#: Move up to ARGV[1] dead entries (oldest first) back to their tier lists,
+#: stopping at a full tier. KEYS: dead list. ARGV: count, then pairs of
+#: (queue name, cap) for every tier queue. Returns {moved, left}.
+DEAD_REQUEUE = """
+local caps = {}
+for i = 2, #ARGV, 2 do caps[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local moved = 0
+local limit = tonumber(ARGV[1])
+while moved < limit do
+  local raw = redis.call('LINDEX', KEYS[1], -1)
+  if not raw then break end
+  local entry = cjson.decode(raw)
+  local queue = entry['headers']['prio_dead_queue']
+  local cap = caps[queue]
+  if cap and redis.call('LLEN', queue) >= cap then break end
+  redis.call('RPOP', KEYS[1])
+  redis.call('LPUSH', queue, entry['message'])
+  moved = moved + 1
+end
+return {moved, redis.call('LLEN', KEYS[1])}
+"""

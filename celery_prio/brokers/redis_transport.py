@@ -1,0 +1,70 @@
+"""kombu's Redis transport with an atomic, capped publish for tier queues.
+
+``install()`` selects it (``broker_transport``) when the broker is Redis and
+passes the caps through ``broker_transport_options['prio_caps']``. Every
+other queue, and every consumer-side operation, is kombu's own code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
+
+from ..errors import QueueFull
+from ..tiers import parse_tier
+from .redis_scripts import GUARDED_PUSH
+
+DEFAULT_RETRY_AFTER = 1.0  # seconds, when no worker has reported a drain rate yet
+
+
+class Channel(kombu_redis.Channel):
+    _guarded_push = None
+
+    def _put(self, queue: str, message: dict, **kwargs: Any) -> None:
+        options = self.connection.client.transport_options
+        caps = options.get("prio_caps") or {}
+        rule = caps.get(queue)
+        if rule is None or kwargs.get("_publish_batch") is not None:
+            return super()._put(queue, message, **kwargs)
+        cap, policy, tier = rule
+        pri = self._get_message_priority(message, reverse=False)
+        key = self._q_for_pri(queue, pri)
+        with self.conn_or_acquire() as client:
+            if self._guarded_push is None:
+                Channel._guarded_push = client.register_script(GUARDED_PUSH)
+            accepted, depth = self._guarded_push(
+                keys=[key, options["prio_dead_queue"], options["prio_stats_key"]],
+                args=[dumps(message), cap, policy, tier, time.time()],
+                client=client,
+            )
+            if not accepted:
+                raise QueueFull(parse_tier(tier), int(depth), retry_after_for(client, options, tier, depth))
+
+
+def retry_after_for(client: Any, options: dict, tier: str, depth: int) -> float:
+    """Seconds until the tier has room, from the drain rates workers report."""
+    rate = drain_rate(client, options["prio_stats_key"], tier)
+    return DEFAULT_RETRY_AFTER if rate <= 0 else max(0.0, 1.0 / rate)
+
+
+RATE_FRESH_FOR = 10.0  # seconds a worker's reported rate counts
+
+
+def drain_rate(client: Any, stats_key: str, tier: str) -> float:
+    """Tasks/s the cluster takes from ``tier``: the sum of fresh per-worker reports."""
+    now, total = time.time(), 0.0
+    for field, value in client.hgetall(f"{stats_key}.rates").items():
+        name = field.decode() if isinstance(field, bytes) else field
+        if not name.endswith(f"|{tier}"):
+            continue
+        rate, at = (float(x) for x in (value.decode() if isinstance(value, bytes) else value).split())
+        if now - at <= RATE_FRESH_FOR:
+            total += rate
+    return total
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
