@@ -110,6 +110,7 @@ def test_redis_counts_rejected_and_dropped_per_tier(redis_env):
     assert counters == {"rejected:realtime": 1, "dropped:offline": 1}
 
 
+@pytest.mark.slow
 def test_changing_a_cap_on_an_existing_rabbitmq_queue_does_not_crash(tmp_path):
     from tests.conftest import PrioEnv, need_broker
 
