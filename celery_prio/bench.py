@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,15 @@ import redis
 
 from .benchapp import NATIVE_PRIORITY, make_app
 from .brokers import adapter_for
+from .tiers import Tier
 from .workers import WorkerProcess
 
 BROKER_URLS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
 RECORD_URL = "redis://127.0.0.1:6379/14"
 NO_CAPS = {"realtime": None, "batch": None, "offline": None}
+AGING_OFF = {"batch": None, "offline": None}
+AGING_ON = {"batch": None, "offline": 3}
+AGING_OFFLINE_RATE = 0.6
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Workload:
     batch_seconds: float = 0.1
     offline_seconds: float = 2.0
     offline_backlog: int = 20
+    offline_rate: float = 0.0  # offline tasks per second arriving during the run (Poisson)
     grace: float = 3.0  # how long realtime stragglers may finish after the stream
     seed: int = 7
 
@@ -77,6 +82,7 @@ class Run:
     def __init__(self, mode: str, broker: str, logdir: Path, concurrency: int, **app_options: Any) -> None:
         self.mode, self.broker = mode, broker
         self.prefix = f"bench{uuid.uuid4().hex[:8]}"
+        self.app_options = app_options  # the worker builds the same app from the environment
         self.app = make_app(mode, broker, self.prefix, RECORD_URL, **app_options)
         self.task = self.app.tasks["bench.work"]
         self.kind = _broker_kind(broker)
@@ -89,7 +95,7 @@ class Run:
             "BENCH_MODE": self.mode,
             "BENCH_BROKER": self.broker,
             "BENCH_PREFIX": self.prefix,
-            "BENCH_RECORD": RECORD_URL,
+            "BENCH_RECORD": RECORD_URL, "BENCH_OPTIONS": json.dumps(self.app_options),
         }
         self.worker = WorkerProcess(
             "celery_prio.benchapp",
@@ -99,13 +105,16 @@ class Run:
         )
         self.worker.wait_ready()
 
-    def publish(self, tier: str, seconds: float) -> None:
+    def publish(self, tier: str, seconds: float) -> float:
+        """Publish one task; returns its send time (the task records it back)."""
+        sent = time.time()
         if self.mode == "prio":
-            self.task.apply_async((tier, time.time(), seconds), tier=tier)
+            self.task.apply_async((tier, sent, seconds), tier=tier)
         elif self.mode == "native":
-            self.task.apply_async((tier, time.time(), seconds), priority=NATIVE_PRIORITY[self.kind][tier])
+            self.task.apply_async((tier, sent, seconds), priority=NATIVE_PRIORITY[self.kind][tier])
         else:
-            self.task.apply_async((tier, time.time(), seconds))
+            self.task.apply_async((tier, sent, seconds))
+        return sent
 
     def read(self) -> list[tuple[str, float, float, float]]:
         rows = self.records.lrange(f"{self.prefix}:records", 0, -1)
@@ -121,30 +130,38 @@ class Run:
         adapter = adapter_for(self.app)
         try:
             names = [f"{self.prefix}.{t}" for t in ("realtime", "batch", "offline", "fifo", "dead")]
+            names += [f"{n}.{suffix}" for n in names[:3] for suffix in ("promoted", "dlx")]
             adapter.delete_queues(names)
         finally:
             adapter.close()
         self.records.delete(f"{self.prefix}:records")
 
 
-def run_mixed(mode: str, broker: str, w: Workload, logdir: Path) -> dict[str, Any]:
-    run = Run(mode, broker, logdir, w.concurrency)
+def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: Any) -> dict[str, Any]:
+    run = Run(mode, broker, logdir, w.concurrency, **app_options)
     try:
         run.start_worker()
+        offline_sent = []
         for _ in range(w.offline_backlog):
-            run.publish("offline", w.offline_seconds)
+            offline_sent.append(run.publish("offline", w.offline_seconds))
         for _ in range(w.batch_backlog):
             run.publish("batch", w.batch_seconds)
         rng = random.Random(w.seed)
         t0 = time.time()
-        sent_rt = 0
-        next_at = t0 + rng.expovariate(w.rt_rate)
-        while next_at < t0 + w.duration:
-            time.sleep(max(0.0, next_at - time.time()))
-            run.publish("realtime", w.rt_seconds)
-            sent_rt += 1
-            next_at += rng.expovariate(w.rt_rate)
         t_end = t0 + w.duration
+        sent_rt = 0
+        next_rt = t0 + rng.expovariate(w.rt_rate)
+        next_off = t0 + rng.expovariate(w.offline_rate) if w.offline_rate else math.inf
+        while min(next_rt, next_off) < t_end:
+            if next_rt <= next_off:
+                time.sleep(max(0.0, next_rt - time.time()))
+                run.publish("realtime", w.rt_seconds)
+                sent_rt += 1
+                next_rt += rng.expovariate(w.rt_rate)
+            else:
+                time.sleep(max(0.0, next_off - time.time()))
+                offline_sent.append(run.publish("offline", w.offline_seconds))
+                next_off += rng.expovariate(w.offline_rate)
         deadline = time.time() + w.grace
         while time.time() < deadline and sum(r[0] == "realtime" for r in run.read()) < sent_rt:
             time.sleep(0.1)
@@ -152,10 +169,11 @@ def run_mixed(mode: str, broker: str, w: Workload, logdir: Path) -> dict[str, An
         records = run.read()
     finally:
         run.close()
-    return summarize(records, t0, t_end, cutoff, sent_rt, w)
+    return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
 
 
-def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, w: Workload) -> dict[str, Any]:
+def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, offline_sent: list[float],
+              w: Workload) -> dict[str, Any]:
     rt = [end - sent for tier, sent, _, end in records if tier == "realtime"]
     # Requests not done by the cutoff count with the latency they had then:
     # a setup cannot look better by never answering.
@@ -163,10 +181,10 @@ def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, w: 
     in_window = [r for r in records if r[3] <= t_end]
     batch_done = sum(1 for r in in_window if r[0] == "batch")
     offline_done = sum(1 for r in in_window if r[0] == "offline")
-    offline_starts = [start for tier, _, start, _ in records if tier == "offline" and start >= t0]
-    offline_waits = [start - sent for tier, sent, start, _ in records if tier == "offline"]
-    if offline_done < w.offline_backlog:  # someone is still waiting at the end
-        offline_waits.append(t_end - t0)
+    offline = [(sent, start) for tier, sent, start, _ in records if tier == "offline"]
+    started = {sent for sent, _ in offline}
+    # Wait = publish -> start; a task not started by the cutoff has waited until then.
+    waits = [start - sent for sent, start in offline] + [cutoff - s for s in offline_sent if s not in started]
     return {
         "realtime": {
             "sent": sent_rt,
@@ -177,8 +195,11 @@ def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, w: 
         "batch": {"done": batch_done, "per_s": batch_done / w.duration},
         "offline": {
             "done": offline_done,
-            "started_in_run": len(offline_starts),
-            "longest_wait_s": max(offline_waits) if offline_waits else 0.0,
+            "sent": len(offline_sent),
+            "busy_s": sum(min(end, t_end) - max(start, t0) for tier, _, start, end in records
+                          if tier == "offline" and end > t0 and start < t_end),
+            "longest_wait_s": max(waits) if waits else 0.0,
+            "p50_wait_s": percentile(waits, 50) if waits else 0.0,
         },
     }
 
@@ -215,6 +236,50 @@ def run_publish(mode: str, broker: str, n: int, logdir: Path, **app_options: Any
         run.close()
 
 
+def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> dict[int, float]:
+    """Cost of one Redis aging pass over an offline backlog of which ``aged`` are due.
+
+    The backlog is filled with small stamped messages (not due) and ``aged``
+    real task messages at the oldest end; the pass must not look further.
+    """
+    from .brokers.redis import RedisAdapter
+    from .install import settings_for
+
+    results = {}
+    for size in sizes:
+        run = Run("prio", BROKER_URLS["redis"], Path(tempfile.gettempdir()), 1)
+        try:
+            settings = settings_for(run.app)
+            adapter = RedisAdapter(run.app)
+            queue = settings.queue_name(Tier.OFFLINE)
+            run.publish("offline", 0.0)
+            template = json.loads(adapter.client.rpop(queue))
+            now = time.time()
+            filler = json.dumps({"headers": {"prio_enqueued_at": now + 3600}})
+            pipe = adapter.client.pipeline(transaction=False)
+            for i in range(size - aged):
+                pipe.lpush(queue, filler)
+                if i % 10_000 == 9_999:
+                    pipe.execute()
+            for i in range(aged):  # the oldest end, due long ago
+                template["headers"]["id"] = f"aged-{i}"
+                template["headers"]["prio_enqueued_at"] = now - 10_000
+                pipe.rpush(queue, json.dumps(template))
+            pipe.execute()
+            started = time.perf_counter()
+            moved = adapter.promote_aged(settings, Tier.OFFLINE, time.time())
+            results[size] = time.perf_counter() - started
+            if moved != aged:
+                raise RuntimeError(f"aging pass moved {moved}, expected {aged}")
+            adapter.close()
+        finally:
+            run.close()
+    small, large = results[sizes[0]], results[sizes[-1]]
+    out(f"aging pass, {aged} due (redis): backlog {sizes[0]:,} -> {small * 1000:.2f} ms; backlog "
+        f"{sizes[-1]:,} -> {large * 1000:.2f} ms (target <= 10 ms); ratio {large / small:.2f}")
+    return results
+
+
 def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir: Path, out=print) -> dict[str, Any]:
     kind = _broker_kind(broker)
     out(
@@ -225,26 +290,41 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     mixed = {mode: run_mixed(mode, broker, w, logdir) for mode in ("fifo", "native", "prio")}
     out(
         f"{'setup':<8}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}"
-        f"{'off done':>10}{'off max wait s':>16}"
+        f"{'off busy s':>11}{'off max wait s':>16}"
     )
     for mode, m in mixed.items():
         out(
             f"{mode:<8}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
             f"{m['realtime']['done']:>6}/{m['realtime']['sent']:<3}{m['batch']['per_s']:>9.1f}"
-            f"{m['offline']['done']:>10}{m['offline']['longest_wait_s']:>16.1f}"
+            f"{m['offline']['busy_s']:>11.1f}{m['offline']['longest_wait_s']:>16.1f}"
         )
     native, prio = mixed["native"], mixed["prio"]
     ratios = {
         "realtime_p99_prio_over_native": prio["realtime"]["p99_ms"] / native["realtime"]["p99_ms"],
         "realtime_p99_prio_over_fifo": prio["realtime"]["p99_ms"] / mixed["fifo"]["realtime"]["p99_ms"],
         "batch_throughput_prio_over_native": prio["batch"]["per_s"] / max(native["batch"]["per_s"], 1e-9),
-        "offline_done_prio_vs_native": [prio["offline"]["done"], native["offline"]["done"]],
+        "offline_busy_s_prio_vs_native": [prio["offline"]["busy_s"], native["offline"]["busy_s"]],
     }
     out(
         f"ratios: realtime P99 prio/native = {ratios['realtime_p99_prio_over_native']:.2f} (target <= 0.4), "
         f"prio/fifo = {ratios['realtime_p99_prio_over_fifo']:.3f}; "
         f"batch throughput prio/native = {ratios['batch_throughput_prio_over_native']:.2f} (target >= 0.8); "
         f"offline done prio {prio['offline']['done']} vs native {native['offline']['done']}"
+    )
+
+    # Aging: offline work arrives faster than offline's own share drains it,
+    # so without aging its queue (and wait) keeps growing; with aging each
+    # task moves to batch after the threshold.
+    aging_w = replace(w, offline_backlog=0, offline_rate=AGING_OFFLINE_RATE, offline_seconds=1.0)
+    aging = {
+        label: run_mixed("prio", broker, aging_w, logdir, aging=setting)
+        for label, setting in (("off", AGING_OFF), ("on", AGING_ON))
+    }
+    out(
+        f"aging ({AGING_OFFLINE_RATE}/s offline tasks of 1 s during the run): offline max wait "
+        f"{aging['off']['offline']['longest_wait_s']:.1f} s without aging, "
+        f"{aging['on']['offline']['longest_wait_s']:.1f} s with a {AGING_ON['offline']} s threshold "
+        f"(p50 {aging['off']['offline']['p50_wait_s']:.1f} s vs {aging['on']['offline']['p50_wait_s']:.1f} s)"
     )
 
     drain = {mode: run_drain(mode, broker, drain_n, w.concurrency, logdir) for mode in ("fifo", "prio")}
@@ -308,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="celery-prio-bench-") as tmp:
         for broker in brokers:
             results[_broker_kind(broker)] = bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp))
+            if _broker_kind(broker) == "redis":
+                results["redis"]["aging_pass_s"] = bench_aging_pass()
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(w), "results": results}, indent=2))
     return 0

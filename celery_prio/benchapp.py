@@ -11,6 +11,7 @@ latency, throughput and progress.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -68,7 +69,8 @@ def __getattr__(name: str) -> Celery:
     # ``celery -A celery_prio.benchapp worker`` asks for ``app``.
     if name == "app":
         env = os.environ
-        built = make_app(env["BENCH_MODE"], env["BENCH_BROKER"], env["BENCH_PREFIX"], env["BENCH_RECORD"])
+        options = json.loads(env.get("BENCH_OPTIONS") or "{}")
+        built = make_app(env["BENCH_MODE"], env["BENCH_BROKER"], env["BENCH_PREFIX"], env["BENCH_RECORD"], **options)
         globals()["app"] = built
         return built
     raise AttributeError(name)

@@ -25,11 +25,14 @@ from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 from kombu.serialization import prepare_accept_content
 
-from .brokers.amqp import declare_tier_queues
-from .brokers.redis import RESTORE_INTERVAL, report_drain_rates, restore_expired_unacked
+from .aging import enqueue_age
+from .brokers.amqp import declare_tier_queues, promoted_queue
+from .brokers.redis import RESTORE_INTERVAL, RedisAdapter, report_drain_rates, restore_expired_unacked
 from .install import settings_for
+from .routing import PROMOTED_HEADER
 from .scheduler import TierScheduler
 from .settings import PrioSettings
+from .stats import WorkerStats
 from .tiers import TIERS, Tier
 
 logger = get_logger(__name__)
@@ -39,6 +42,7 @@ logger = get_logger(__name__)
 # idle worker makes a bounded number of broker calls per second.
 MIN_BACKOFF_FRACTION = 1 / 16
 PROBE_FRACTION = 1 / 10  # an empty tier is re-asked after poll_interval / 10 at the soonest
+AGING_TIERS = (Tier.BATCH, Tier.OFFLINE)  # batch -> realtime first, so offline -> batch finds room
 RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
 RATE_INTERVAL = 2.0  # seconds between drain-rate reports (Redis: Retry-After for publishers)
 
@@ -69,6 +73,7 @@ class TierFetcher:
         self.broker = consumer.connection.transport.driver_type
         if self.broker == "amqp":
             self.channel = declare_tier_queues(self.channel, settings)
+        self.redis = RedisAdapter(consumer.app, client=self.channel.client) if self.broker == "redis" else None
         self.accept = prepare_accept_content(app.conf.accept_content)
         self.queues: list[Any] = []
         self.on_message = None  # set by Celery's loop to its task handler
@@ -82,6 +87,7 @@ class TierFetcher:
             mode=settings.scheduler,
         )
         self.inflight: dict[Any, tuple[Tier, float, float]] = {}
+        self.stats = WorkerStats()
         self._fetching: Tier | None = None
         self._rr: dict[Tier, int] = {t: 0 for t in TIERS}
         self._timer = None
@@ -91,6 +97,7 @@ class TierFetcher:
         self._reap_scheduled = False
         self._empty_at: dict[Tier, float] = {t: float("-inf") for t in TIERS}
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
+        self._promoted_empty_at: dict[Tier, float] = {t: float("-inf") for t in TIERS}
         for queue in app.amqp.queues.consume_from.values():
             self.add_queue(queue)
 
@@ -123,6 +130,10 @@ class TierFetcher:
                     self.hub.call_repeatedly(RESTORE_INTERVAL, restore_expired_unacked, self.channel),
                     self.hub.call_repeatedly(RATE_INTERVAL, self._report_rates),
                 ]
+                if any(self.settings.aging[t] is not None for t in AGING_TIERS):
+                    self._housekeeping.append(
+                        self.hub.call_repeatedly(self.settings.aging_interval, self._age)
+                    )
 
     def cancel(self) -> None:
         self.active = False
@@ -156,6 +167,14 @@ class TierFetcher:
     def _update_served(self) -> None:
         self._by_tier = {t: [q for q in self.queues if self.tier_of_queue(q.name) is t] for t in TIERS}
         self.scheduler.set_served(t for t, qs in self._by_tier.items() if qs)
+        # RabbitMQ delivers promoted messages to a sub-queue that goes first.
+        self._promoted_first = {
+            lower.promoted(): promoted_queue(self.settings, lower.promoted())
+            for lower in AGING_TIERS
+            if self.broker == "amqp"
+            and self.settings.aging[lower] is not None
+            and any(q.name == self.settings.queue_name(lower.promoted()) for q in self._by_tier[lower.promoted()])
+        }
 
     def track(self, request: Any) -> None:
         """Called for every request Celery hands to the pool."""
@@ -191,25 +210,36 @@ class TierFetcher:
         for request in done:
             tier, started, charge = self.inflight.pop(request)
             self.scheduler.finished(tier, now - started, charge)
+            self.stats.observe_run(tier, now - started)
         if self.active:
             self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
             self.pump()
 
     def _get(self, tier: Tier) -> Any:
         """One message from ``tier`` (round robin over its queues), or None."""
+        promoted = self._promoted_first.get(tier)
+        if promoted is not None and time.monotonic() - self._promoted_empty_at[tier] >= self._probe_interval:
+            message = self._basic_get(promoted)
+            if message is not None:
+                return message
+            self._promoted_empty_at[tier] = time.monotonic()
         queues = self._by_tier[tier]
         start = self._rr[tier]
         for i in range(len(queues)):
-            queue = queues[(start + i) % len(queues)]
-            self.broker_calls += 1
-            raw = self.channel.basic_get(queue=queue.name, no_ack=False)
-            if raw is None:
-                continue
-            self._rr[tier] = (start + i + 1) % len(queues)
-            message = self.channel.message_to_python(raw)
-            message.accept = self.accept
-            return message
+            message = self._basic_get(queues[(start + i) % len(queues)].name)
+            if message is not None:
+                self._rr[tier] = (start + i + 1) % len(queues)
+                return message
         return None
+
+    def _basic_get(self, queue: str) -> Any:
+        self.broker_calls += 1
+        raw = self.channel.basic_get(queue=queue, no_ack=False)
+        if raw is None:
+            return None
+        message = self.channel.message_to_python(raw)
+        message.accept = self.accept
+        return message
 
     def _deliver(self, tier: Tier, message: Any) -> None:
         if message.errors:
@@ -218,6 +248,12 @@ class TierFetcher:
             except Exception as exc:
                 self.c.on_decode_error(message, exc)
             return
+        headers = message.headers or {}
+        now = time.time()
+        promoted = PROMOTED_HEADER in headers or any(
+            d.get("reason") == "expired" for d in headers.get("x-death") or () if isinstance(d, dict)
+        )
+        self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
         self._fetching = tier
         try:
             self.on_message(message)
@@ -248,6 +284,7 @@ class TierFetcher:
                     break
                 self._empty_at[tier] = now
                 self.scheduler.empty(tier)
+                self.stats.observe_empty(tier)
             else:
                 self._retry_later()
                 return
@@ -259,6 +296,12 @@ class TierFetcher:
         if self._timer is None and self.active:
             self._timer = self.hub.call_later(self._backoff, self.pump)
             self._backoff = min(self._backoff * 2, self.settings.poll_interval)
+
+    def _age(self) -> None:
+        """One aging pass (Redis; RabbitMQ ages by itself). Every worker runs it, whatever its -Q."""
+        now = time.time()
+        for tier in AGING_TIERS:
+            self.redis.promote_aged(self.settings, tier, now)
 
     def _report_rates(self) -> None:
         now = time.monotonic()
@@ -274,8 +317,15 @@ class TierFetcher:
         s = self.scheduler
         shares = s.shares()
         configured = s.configured_shares()
+        now = time.time()
+        counters = self.redis.counters(self.settings) if self.redis else {}
         tiers = {}
         for tier, st in s.tiers.items():
+            oldest = (
+                self.redis.oldest_age(self.settings.queue_name(tier), now)
+                if self.redis
+                else self.stats.oldest_wait(tier, now)
+            )
             tiers[tier.label] = {
                 "queues": [q.name for q in self._by_tier[tier]],
                 "dispatched": st.dispatched,
@@ -285,14 +335,19 @@ class TierFetcher:
                 "slot_time_share": round(shares[tier], 4),
                 "configured_share": round(configured[tier], 4),
                 "runtime_estimate_s": round(st.estimate, 4),
-                "virtual_time": round(st.vtime, 4),
-                "idle": st.idle,
+                "oldest_wait_s": None if oldest is None else round(oldest, 3),
+                # Broker-wide counters (Redis); RabbitMQ keeps none, see README.
+                "promoted": counters.get(f"promoted:{tier.label}"),
+                "rejected": counters.get(f"rejected:{tier.label}"),
+                "dropped": counters.get(f"dropped:{tier.label}"),
+                **self.stats.summary(tier),
             }
         return {
             "concurrency": s.concurrency,
             "reserve": s.reserve,
             "scheduler": s.mode,
             "broker_calls": self.broker_calls,
+            "polled_queues": [q.name for q in self.queues] + list(self._promoted_first.values()),
             "tiers": tiers,
         }
 

@@ -46,6 +46,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     # Queues: keep the user's, add the three tiers (so a plain
     # ``celery -A app worker`` consumes them and tools can list them).
     kind = broker_kind(app)
+    settings.check_for_broker(kind)
     existing = list(app.conf.task_queues or [])
     names = {q.name for q in existing}
     queues = existing + [q for q in tier_queues(settings, kind) if q.name not in names]

@@ -88,6 +88,8 @@ class PrioSettings:
         return f"{self.queue_prefix}.stats"
 
     def tier_for_queue(self, name: str) -> Tier | None:
+        """The tier a queue belongs to: a tier queue or its ``.promoted`` sub-queue (RabbitMQ)."""
+        name = name.removesuffix(".promoted")
         for tier in TIERS:
             if name == self.queue_name(tier):
                 return tier
@@ -98,6 +100,18 @@ class PrioSettings:
             if fnmatch.fnmatchcase(name, pattern):
                 return tier
         return None
+
+    def check_for_broker(self, kind: str) -> None:
+        """Combinations one broker cannot honour, refused before anything is declared."""
+        if kind == "amqp":
+            for tier in (Tier.BATCH,):  # the only tier that both receives promotions and can age
+                if self.overflow[tier] == "drop_oldest" and self.aging[tier] is not None:
+                    raise ConfigError(
+                        f"prio_overflow[{tier.label}]='drop_oldest' with prio_aging[{tier.label}]="
+                        f"{self.aging[tier]!r} is not supported on RabbitMQ: a message promoted into "
+                        f"{tier.label} could not be told apart from an evicted one. Use 'reject', or "
+                        f"prio_aging[{tier.label}]=None"
+                    )
 
     def effective_reserve(self, concurrency: int) -> int:
         """Slots batch/offline may never occupy; checked against the pool size."""

@@ -131,7 +131,11 @@ class PrioEnv:
         for worker in self.workers:
             worker.kill()
         try:
-            self.adapter.delete_queues([self.queue(t) for t in TIERS] + [f"{self.prefix}.dead"])
+            names = [self.queue(t) for t in TIERS]
+            names += [f"{n}.promoted" for n in names] + [f"{n}.dlx" for n in names] + [f"{self.prefix}.dead"]
+            self.adapter.delete_queues(names)
+            if self.kind == "redis":
+                self.adapter.client.delete(f"{self.prefix}.stats", f"{self.prefix}.stats.rates")
         finally:
             self.adapter.close()
 

@@ -1,11 +1,11 @@
 """RabbitMQ (AMQP 0-9-1 through py-amqp).
 
-Capacity is RabbitMQ's own: ``x-max-length`` with ``x-overflow``
+Capacity and aging are RabbitMQ's own: ``x-max-length`` with ``x-overflow``
 ``reject-publish`` (the publisher, which uses confirms, gets a nack that
-becomes ``QueueFull``) or ``drop-head`` (the oldest is dead-lettered through
-the ``<prefix>.dead`` fanout exchange into the ``<prefix>.dead`` queue, with
-RabbitMQ's ``x-death`` header giving reason, queue and time). That exchange
-is used for capacity drops only; aging re-publishes with confirms instead.
+becomes ``QueueFull``) or ``drop-head`` (the oldest is dead-lettered into the
+``<prefix>.dead`` queue, RabbitMQ's ``x-death`` header giving reason, queue
+and time); ``x-message-ttl`` = the aging threshold, the expired message
+dead-lettered into the tier above. See ``queue_arguments``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,44 @@ logger = logging.getLogger(__name__)
 OVERFLOW_ARG = {"reject": "reject-publish", "drop_oldest": "drop-head"}
 
 
+def dead_letter_exchange(settings: PrioSettings, tier: Tier) -> str:
+    return f"{settings.queue_name(tier)}.dlx"
+
+
 def queue_arguments(settings: PrioSettings, tier: Tier) -> dict[str, Any] | None:
+    """Capacity and aging as RabbitMQ queue arguments.
+
+    A tier that drops or ages dead-letters into its own headers exchange,
+    which routes on ``x-first-death-reason``: ``maxlen`` (capacity) to the
+    dead-letter queue, ``expired`` (aging TTL) to the tier above. Keeping the
+    two apart is why this is not a plain fanout DLX (needs RabbitMQ >= 3.10
+    for ``x-match: all-with-x``).
+    """
+    args: dict[str, Any] = {}
     cap = settings.max_length[tier]
-    if cap is None:
-        return None
-    args: dict[str, Any] = {"x-max-length": cap, "x-overflow": OVERFLOW_ARG[settings.overflow[tier]]}
-    if settings.overflow[tier] == "drop_oldest":
-        args["x-dead-letter-exchange"] = settings.dead_letter_queue
-    return args
+    if cap is not None:
+        args["x-max-length"] = cap
+        args["x-overflow"] = OVERFLOW_ARG[settings.overflow[tier]]
+    if aging_ttl(settings, tier) is not None:
+        args["x-message-ttl"] = aging_ttl(settings, tier)
+    if "x-message-ttl" in args or args.get("x-overflow") == "drop-head":
+        args["x-dead-letter-exchange"] = dead_letter_exchange(settings, tier)
+    return args or None
+
+
+def promoted_queue(settings: PrioSettings, tier: Tier) -> str:
+    """Where RabbitMQ delivers messages promoted *into* ``tier``.
+
+    Dead-lettering appends at the tail; in the tier's own queue a promoted
+    message would wait behind the whole backlog it already outwaited. Workers
+    serving ``tier`` take from this sub-queue first.
+    """
+    return f"{settings.queue_name(tier)}.promoted"
+
+
+def aging_ttl(settings: PrioSettings, tier: Tier) -> int | None:
+    seconds = settings.aging[tier]
+    return None if seconds is None or tier is Tier.REALTIME else max(1, int(seconds * 1000))
 
 
 def tier_queue(settings: PrioSettings, tier: Tier) -> Queue:
@@ -53,18 +83,17 @@ def tier_queue(settings: PrioSettings, tier: Tier) -> Queue:
     )
 
 
-def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> None:
-    """Declare tier queues and the dead-letter queue; survive a changed cap.
+def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> Any:
+    """Declare tier queues, the dead-letter queue and the routes between them.
 
     A queue declared earlier with other arguments cannot be redeclared
     (RabbitMQ answers PRECONDITION_FAILED and closes the channel). Instead of
     crashing, log what differs and how to fix it, and use the queue as it is.
+    Returns the channel to go on with (a new one if that happened).
     """
     dead = settings.dead_letter_queue
-    channel.exchange_declare(exchange=dead, type="fanout", durable=True, auto_delete=False)
     channel.queue_declare(queue=dead, durable=True, auto_delete=False)
-    channel.queue_bind(queue=dead, exchange=dead, routing_key="")
-    for tier in tiers:
+    for tier in TIERS:  # every tier queue: aging routes into the one above
         name = settings.queue_name(tier)
         args = queue_arguments(settings, tier)
         channel.exchange_declare(exchange=name, type="direct", durable=True, auto_delete=False)
@@ -72,17 +101,35 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> No
             channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
         except PreconditionFailed as exc:
             logger.error(
-                "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow "
-                "ask for (%s): %s. Using the queue as it is. To apply the new cap, drain and delete the "
-                "queue (celery -A app prio purge), or set a RabbitMQ policy "
-                "(rabbitmqctl set_policy ... '{\"max-length\": N}').",
-                name,
-                args,
-                exc.reply_text,
+                "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow/"
+                "prio_aging ask for (%s): %s. Using the queue as it is. To apply the new settings, drain "
+                "and delete the queue, or set a RabbitMQ policy "
+                "(rabbitmqctl set_policy ... '{\"max-length\": N}').", name, args, exc.reply_text,
             )
-            channel = channel.connection.channel() if channel.is_closing or not channel.is_open else channel
+            channel = channel.connection.channel()
             channel.queue_declare(queue=name, passive=True)
         channel.queue_bind(queue=name, exchange=name, routing_key=name)
+    for tier in TIERS:
+        dlx = dead_letter_exchange(settings, tier)
+        channel.exchange_declare(exchange=dlx, type="headers", durable=True, auto_delete=False)
+        channel.queue_bind(queue=dead, exchange=dlx, routing_key="",
+                           arguments={"x-match": "all-with-x", "x-first-death-reason": "maxlen"})
+        if aging_ttl(settings, tier) is not None:
+            upper = tier.promoted()
+            # Uncapped (its source tier is capped); ages on like its tier.
+            ttl = aging_ttl(settings, upper)
+            args = None
+            if ttl:
+                args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, upper)}
+            try:
+                channel.queue_declare(queue=promoted_queue(settings, upper), durable=True, auto_delete=False,
+                                      arguments=args)
+            except PreconditionFailed as exc:
+                logger.error("celery-prio: %s exists with other arguments (%s): %s; using it as it is",
+                             promoted_queue(settings, upper), args, exc.reply_text)
+                channel = channel.connection.channel()
+            channel.queue_bind(queue=promoted_queue(settings, upper), exchange=dlx, routing_key="",
+                               arguments={"x-match": "all-with-x", "x-first-death-reason": "expired"})
     return channel
 
 
@@ -148,6 +195,11 @@ class AmqpAdapter(BrokerAdapter):
                 ):
                     channel.basic_reject(raw.delivery_tag, requeue=True)
                     break
+                # A fresh start in its tier: without the old death headers the
+                # tier's dead-letter routes judge its next death, not its last.
+                headers = raw.properties.get("application_headers") or {}
+                for key in [k for k in headers if k == "x-death" or k.startswith("x-first-death")]:
+                    del headers[key]
                 try:
                     channel.basic_publish(raw, exchange="", routing_key=origin)
                 except Exception:  # nacked: the tier is full again

@@ -6,21 +6,27 @@ import json
 import time
 from typing import Any
 
+from ..aging import enqueue_age, plan_promotions
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .base import BrokerAdapter
-from .redis_scripts import DEAD_REQUEUE
+from .redis_scripts import DEAD_REQUEUE, PROMOTE, STAMP
 from .redis_transport import drain_rate
 
 
 class RedisAdapter(BrokerAdapter):
     kind = "redis"
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, client: Any = None) -> None:
         super().__init__(app)
-        self.connection = app.connection_for_write()
-        # The transport's own client: same URL, password, SSL and db as Celery uses.
-        self.client = self.connection.default_channel.client
+        self.connection = None
+        if client is None:
+            self.connection = app.connection_for_write()
+            # The transport's own client: same URL, password, SSL and db as Celery uses.
+            client = self.connection.default_channel.client
+        self.client = client
+        self._promote = self.client.register_script(PROMOTE)
+        self._stamp = self.client.register_script(STAMP)
 
     def depth(self, queue: str) -> int:
         return int(self.client.llen(queue))
@@ -72,8 +78,47 @@ class RedisAdapter(BrokerAdapter):
             count, _ = pipe.execute()
         return int(count)
 
+    # -- aging --------------------------------------------------------------
+    def promote_aged(self, settings: PrioSettings, tier: Tier, now: float, batch: int = 100) -> int:
+        """Move ``tier``'s due messages one tier up; returns how many moved."""
+        threshold = settings.aging[tier]
+        if threshold is None or tier is Tier.REALTIME:
+            return 0
+        source, upper = settings.queue_name(tier), settings.queue_name(tier.promoted())
+        cap = settings.max_length[tier.promoted()]
+        moved = 0
+        while True:
+            oldest_first = self.client.lrange(source, -batch, -1)[::-1]
+            plan = plan_promotions(oldest_first, tier, upper, threshold, now)
+            if plan.originals:
+                n = len(plan.originals)
+                done = int(self._promote(keys=[source, upper, settings.stats_key],
+                                         args=[-1 if cap is None else cap, tier.label, n,
+                                               *plan.originals, *plan.rewritten]))
+                moved += done
+                if done < n:
+                    break  # another ager got there first, or the upper tier is full
+                if n == len(oldest_first) == batch:
+                    continue  # the whole window was due: look at the next one
+            if plan.stamp is not None and not plan.originals:
+                index, original, stamped = plan.stamp
+                self._stamp(keys=[source], args=[-1 - index, original, stamped])
+            break
+        return moved
+
+    def oldest_age(self, queue: str, now: float) -> float | None:
+        """Seconds the oldest waiting message of ``queue`` has waited (None if empty/unstamped)."""
+        raw = self.client.lindex(queue, -1)
+        if raw is None:
+            return None
+        try:
+            return enqueue_age(json.loads(raw).get("headers"), now)
+        except ValueError:
+            return None
+
     def close(self) -> None:
-        self.connection.release()
+        if self.connection is not None:
+            self.connection.release()
 
 
 #: How often a worker returns messages whose consumer died (unacked for longer

@@ -59,3 +59,35 @@ while moved < limit do
 end
 return {moved, redis.call('LLEN', KEYS[1])}
 """
+
+#: Move aged messages from the oldest end of a lower tier list to the oldest
+#: end of the upper one, each only if it is still where the ager saw it (so
+#: two agers never move one message twice) and while the upper tier has room.
+#: KEYS: source list, destination list, stats hash.
+#: ARGV: destination cap (-1 = none), source tier label, n, n originals
+#: (oldest first), n rewritten copies. Returns the number moved.
+PROMOTE = """
+local cap = tonumber(ARGV[1])
+local n = tonumber(ARGV[3])
+local moved = 0
+for i = 1, n do
+  if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[3 + i] then break end
+  if cap >= 0 and redis.call('LLEN', KEYS[2]) + moved >= cap then break end
+  redis.call('RPOP', KEYS[1])
+  moved = moved + 1
+end
+-- RPUSH the newest first so that the oldest ends up at the consuming end.
+for i = moved, 1, -1 do
+  redis.call('RPUSH', KEYS[2], ARGV[3 + n + i])
+end
+if moved > 0 then redis.call('HINCRBY', KEYS[3], 'promoted:' .. ARGV[2], moved) end
+return moved
+"""
+
+#: Compare-and-set one list element (stamping a message nobody stamped).
+#: KEYS: list. ARGV: index, expected, replacement. Returns 1 if set.
+STAMP = """
+if redis.call('LINDEX', KEYS[1], tonumber(ARGV[1])) ~= ARGV[2] then return 0 end
+redis.call('LSET', KEYS[1], tonumber(ARGV[1]), ARGV[3])
+return 1
+"""

@@ -1,0 +1,79 @@
+"""Per-tier figures a worker keeps about what it fetched and ran. Pure, cheap.
+
+The hot path is one ``observe_fetch`` per dispatched message (a header read
+and a deque append) and one ``observe_run`` per finished task; percentiles
+are computed only when someone asks (``inspect stats``, ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .tiers import TIERS, Tier
+
+WINDOW = 2048  # recent samples kept per tier for percentiles
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@dataclass
+class TierFigures:
+    waits: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    runtimes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    promoted_seen: int = 0  # fetched messages that had been promoted into this tier
+    max_wait: float = 0.0
+    head_wait: float | None = None  # wait of the last message taken from the head
+    head_seen_at: float | None = None
+
+
+class WorkerStats:
+    def __init__(self) -> None:
+        self.tiers = {t: TierFigures() for t in TIERS}
+
+    def observe_fetch(self, tier: Tier, wait: float | None, promoted: bool, now: float) -> None:
+        figures = self.tiers[tier]
+        if promoted:
+            figures.promoted_seen += 1
+        if wait is not None:
+            wait = max(0.0, wait)
+            figures.waits.append(wait)
+            figures.max_wait = max(figures.max_wait, wait)
+            figures.head_wait, figures.head_seen_at = wait, now
+
+    def observe_run(self, tier: Tier, seconds: float) -> None:
+        self.tiers[tier].runtimes.append(seconds)
+
+    def observe_empty(self, tier: Tier) -> None:
+        self.tiers[tier].head_wait = self.tiers[tier].head_seen_at = None
+
+    def oldest_wait(self, tier: Tier, now: float) -> float | None:
+        """Estimated age of the oldest waiting message, from what was last taken off the head."""
+        f = self.tiers[tier]
+        if f.head_wait is None or f.head_seen_at is None:
+            return None
+        return f.head_wait + (now - f.head_seen_at)
+
+    def summary(self, tier: Tier) -> dict[str, float | int | None]:
+        f = self.tiers[tier]
+        waits, runs = list(f.waits), list(f.runtimes)
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value * 1000, 1)
+
+        return {
+            "wait_p50_ms": ms(percentile(waits, 50)),
+            "wait_p99_ms": ms(percentile(waits, 99)),
+            "wait_max_s": round(f.max_wait, 3),
+            "run_p50_ms": ms(percentile(runs, 50)),
+            "run_p99_ms": ms(percentile(runs, 99)),
+            "promoted_seen": f.promoted_seen,
+        }
