@@ -38,8 +38,9 @@ class PromotionPlan:
     stamp: tuple[int, bytes, str] | None = None  # (index from the oldest end, original, stamped)
 
 
-def plan_promotions(oldest_first: list[bytes], tier: Tier, upper_queue: str, threshold: float,
-                    now: float) -> PromotionPlan:
+def plan_promotions(
+    oldest_first: list[bytes], tier: Tier, upper_queue: str, threshold: float, now: float
+) -> PromotionPlan:
     """Pure: which of a tier's oldest messages are due for promotion.
 
     Only a run of due messages at the oldest end moves: the first message

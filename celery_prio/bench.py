@@ -95,7 +95,8 @@ class Run:
             "BENCH_MODE": self.mode,
             "BENCH_BROKER": self.broker,
             "BENCH_PREFIX": self.prefix,
-            "BENCH_RECORD": RECORD_URL, "BENCH_OPTIONS": json.dumps(self.app_options),
+            "BENCH_RECORD": RECORD_URL,
+            "BENCH_OPTIONS": json.dumps(self.app_options),
         }
         self.worker = WorkerProcess(
             "celery_prio.benchapp",
@@ -172,8 +173,9 @@ def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: 
     return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
 
 
-def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, offline_sent: list[float],
-              w: Workload) -> dict[str, Any]:
+def summarize(
+    records, t0: float, t_end: float, cutoff: float, sent_rt: int, offline_sent: list[float], w: Workload
+) -> dict[str, Any]:
     rt = [end - sent for tier, sent, _, end in records if tier == "realtime"]
     # Requests not done by the cutoff count with the latency they had then:
     # a setup cannot look better by never answering.
@@ -196,8 +198,11 @@ def summarize(records, t0: float, t_end: float, cutoff: float, sent_rt: int, off
         "offline": {
             "done": offline_done,
             "sent": len(offline_sent),
-            "busy_s": sum(min(end, t_end) - max(start, t0) for tier, _, start, end in records
-                          if tier == "offline" and end > t0 and start < t_end),
+            "busy_s": sum(
+                min(end, t_end) - max(start, t0)
+                for tier, _, start, end in records
+                if tier == "offline" and end > t0 and start < t_end
+            ),
             "longest_wait_s": max(waits) if waits else 0.0,
             "p50_wait_s": percentile(waits, 50) if waits else 0.0,
         },
@@ -275,8 +280,10 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
         finally:
             run.close()
     small, large = results[sizes[0]], results[sizes[-1]]
-    out(f"aging pass, {aged} due (redis): backlog {sizes[0]:,} -> {small * 1000:.2f} ms; backlog "
-        f"{sizes[-1]:,} -> {large * 1000:.2f} ms (target <= 10 ms); ratio {large / small:.2f}")
+    out(
+        f"aging pass, {aged} due (redis): backlog {sizes[0]:,} -> {small * 1000:.2f} ms; backlog "
+        f"{sizes[-1]:,} -> {large * 1000:.2f} ms (target <= 10 ms); ratio {large / small:.2f}"
+    )
     return results
 
 

@@ -131,9 +131,7 @@ class TierFetcher:
                     self.hub.call_repeatedly(RATE_INTERVAL, self._report_rates),
                 ]
                 if any(self.settings.aging[t] is not None for t in AGING_TIERS):
-                    self._housekeeping.append(
-                        self.hub.call_repeatedly(self.settings.aging_interval, self._age)
-                    )
+                    self._housekeeping.append(self.hub.call_repeatedly(self.settings.aging_interval, self._age))
 
     def cancel(self) -> None:
         self.active = False

@@ -19,8 +19,13 @@ def kombu_message(stamp: float | None, task_id: str = "x") -> bytes:
     headers = {"id": task_id, "task": "t.sleep", "timelimit": [None, None]}
     if stamp is not None:
         headers[ENQUEUED_HEADER] = stamp
-    return json.dumps({"body": "", "headers": headers,
-                       "properties": {"delivery_info": {"exchange": "p.offline", "routing_key": "p.offline"}}}).encode()
+    return json.dumps(
+        {
+            "body": "",
+            "headers": headers,
+            "properties": {"delivery_info": {"exchange": "p.offline", "routing_key": "p.offline"}},
+        }
+    ).encode()
 
 
 def test_plan_promotes_only_the_due_run_at_the_oldest_end():
@@ -86,10 +91,16 @@ def clone_backlog(env, n: int, stamp: float) -> set[str]:
         env.app.tasks["t.noop"].apply_async(tier="realtime")  # declares every tier queue and route
         for task_id in ids:
             channel.basic_publish(
-                amqp.Message(json.dumps([["x", 0], {}, {}]), content_type="application/json",
-                             content_encoding="utf-8", delivery_mode=2,
-                             application_headers={"id": task_id, "task": "t.sleep", ENQUEUED_HEADER: stamp}),
-                exchange="", routing_key=env.queue(O))
+                amqp.Message(
+                    json.dumps([["x", 0], {}, {}]),
+                    content_type="application/json",
+                    content_encoding="utf-8",
+                    delivery_mode=2,
+                    application_headers={"id": task_id, "task": "t.sleep", ENQUEUED_HEADER: stamp},
+                ),
+                exchange="",
+                routing_key=env.queue(O),
+            )
         conn.close()
     return ids
 

@@ -104,7 +104,10 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
                 "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow/"
                 "prio_aging ask for (%s): %s. Using the queue as it is. To apply the new settings, drain "
                 "and delete the queue, or set a RabbitMQ policy "
-                "(rabbitmqctl set_policy ... '{\"max-length\": N}').", name, args, exc.reply_text,
+                "(rabbitmqctl set_policy ... '{\"max-length\": N}').",
+                name,
+                args,
+                exc.reply_text,
             )
             channel = channel.connection.channel()
             channel.queue_declare(queue=name, passive=True)
@@ -112,8 +115,12 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     for tier in TIERS:
         dlx = dead_letter_exchange(settings, tier)
         channel.exchange_declare(exchange=dlx, type="headers", durable=True, auto_delete=False)
-        channel.queue_bind(queue=dead, exchange=dlx, routing_key="",
-                           arguments={"x-match": "all-with-x", "x-first-death-reason": "maxlen"})
+        channel.queue_bind(
+            queue=dead,
+            exchange=dlx,
+            routing_key="",
+            arguments={"x-match": "all-with-x", "x-first-death-reason": "maxlen"},
+        )
         if aging_ttl(settings, tier) is not None:
             upper = tier.promoted()
             # Uncapped (its source tier is capped); ages on like its tier.
@@ -122,14 +129,23 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
             if ttl:
                 args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, upper)}
             try:
-                channel.queue_declare(queue=promoted_queue(settings, upper), durable=True, auto_delete=False,
-                                      arguments=args)
+                channel.queue_declare(
+                    queue=promoted_queue(settings, upper), durable=True, auto_delete=False, arguments=args
+                )
             except PreconditionFailed as exc:
-                logger.error("celery-prio: %s exists with other arguments (%s): %s; using it as it is",
-                             promoted_queue(settings, upper), args, exc.reply_text)
+                logger.error(
+                    "celery-prio: %s exists with other arguments (%s): %s; using it as it is",
+                    promoted_queue(settings, upper),
+                    args,
+                    exc.reply_text,
+                )
                 channel = channel.connection.channel()
-            channel.queue_bind(queue=promoted_queue(settings, upper), exchange=dlx, routing_key="",
-                               arguments={"x-match": "all-with-x", "x-first-death-reason": "expired"})
+            channel.queue_bind(
+                queue=promoted_queue(settings, upper),
+                exchange=dlx,
+                routing_key="",
+                arguments={"x-match": "all-with-x", "x-first-death-reason": "expired"},
+            )
     return channel
 
 

@@ -92,9 +92,12 @@ class RedisAdapter(BrokerAdapter):
             plan = plan_promotions(oldest_first, tier, upper, threshold, now)
             if plan.originals:
                 n = len(plan.originals)
-                done = int(self._promote(keys=[source, upper, settings.stats_key],
-                                         args=[-1 if cap is None else cap, tier.label, n,
-                                               *plan.originals, *plan.rewritten]))
+                done = int(
+                    self._promote(
+                        keys=[source, upper, settings.stats_key],
+                        args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
+                    )
+                )
                 moved += done
                 if done < n:
                     break  # another ager got there first, or the upper tier is full

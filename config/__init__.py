@@ -1,0 +1,1 @@
+"""Celery configuration for the example app, read from the environment."""

@@ -1,0 +1,132 @@
+"""GPU check, for a machine with CUDA (finishes in well under 2 minutes).
+
+    python -m tasks.gpu_check [--gpus 0,1]
+
+Prints the device, per-batch latency and throughput on the CPU and on the GPU,
+then starts a real ``celery -A tasks worker --gpus ...`` (Redis at
+CELERY_BROKER_URL) and confirms its pool processes landed on the pinned GPUs.
+Without CUDA it says so and checks the CPU path only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .model import PIXEL_MAX, held_out_split, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def latency(device: torch.device, batch: int, repeats: int = 50) -> tuple[float, float]:
+    model = load_model().to(device).eval()
+    _, x, _, _ = held_out_split()
+    images = np.resize(x, (batch, 8, 8)).astype(np.float32)
+    tensor = torch.from_numpy(images / PIXEL_MAX).unsqueeze(1)
+    with torch.inference_mode():
+        for _ in range(5):
+            model(tensor.to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            out = model(tensor.to(device))
+            out.cpu()
+        per_batch = (time.perf_counter() - started) / repeats
+    return per_batch * 1000, batch / per_batch
+
+
+def check_worker(gpus: str) -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PRIO_SETTINGS": json.dumps({"queue_prefix": f"gpucheck{os.getpid()}"}),
+    }
+    log = Path(tempfile.mkdtemp()) / "worker.log"
+    n = len(gpus.split(","))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tasks",
+                "worker",
+                "-c",
+                str(2 * n),
+                "--gpus",
+                gpus,
+                "-l",
+                "INFO",
+                "--without-mingle",
+                "--without-gossip",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        from tasks.app import app
+
+        deadline = time.time() + 60
+        while "ready." not in log.read_text() and time.time() < deadline:
+            time.sleep(0.2)
+        _, x, _, _ = held_out_split()
+        for _ in range(4 * n):  # make every child load the model (and record its device)
+            app.send_task("tasks.inference.classify_batch", args=[x[:64].tolist()], tier="batch").get(timeout=60)
+        return next(iter(app.control.inspect(timeout=5, limit=1).stats().values()))["devices"]
+    finally:
+        os.killpg(proc.pid, 9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.gpu_check")
+    parser.add_argument("--gpus", default=None, help="GPUs to pin the test worker to (default: all visible)")
+    parser.add_argument("--no-worker", action="store_true", help="skip the pinned-worker check")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    print(f"torch {torch.__version__}; CUDA available: {cuda}")
+    devices = [torch.device("cpu")]
+    if cuda:
+        count = torch.cuda.device_count()
+        print(f"{count} GPU(s): " + ", ".join(torch.cuda.get_device_name(i) for i in range(count)))
+        devices.append(torch.device("cuda:0"))
+    for batch in (1, 64, 1024):
+        row = []
+        for device in devices:
+            ms, per_s = latency(device, batch)
+            row.append(f"{device.type}: {ms:.3f} ms/batch, {per_s:,.0f} images/s")
+        print(f"batch {batch:>5}: " + " | ".join(row))
+    if args.no_worker:
+        return 0
+    gpus = args.gpus or (",".join(str(i) for i in range(torch.cuda.device_count())) if cuda else "")
+    if not gpus:
+        print("no CUDA: pinned-worker check skipped (the CPU path is covered by the test suite)")
+        return 0
+    seen = check_worker(gpus)
+    for pid, info in sorted(seen.items()):
+        visible = info["cuda_visible_devices"]
+        print(f"pool process {pid}: {info['device']} {info['name']} CUDA_VISIBLE_DEVICES={visible}")
+    landed = {info["cuda_visible_devices"] for info in seen.values()}
+    wanted = set(gpus.split(","))
+    print(
+        f"pinned GPUs {sorted(wanted)}; pool processes landed on {sorted(landed)}: "
+        f"{'OK' if landed == wanted else 'MISMATCH'}"
+    )
+    return 0 if landed == wanted else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Input checks and forward passes; no Celery here. One model per process.
+
+Bad input raises ``ValueError`` saying exactly what is wrong (the Celery task
+then fails with it and the worker keeps serving).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checks import check_batch, check_image
+from .gpu import process_device
+from .model import PIXEL_MAX, held_out_split, load_model
+
+MICRO_BATCH = int(os.environ.get("INFERENCE_MICRO_BATCH", "256"))
+
+_loaded: tuple[torch.nn.Module, torch.device] | None = None
+
+
+def model_and_device() -> tuple[torch.nn.Module, torch.device]:
+    """Load once per worker process (not per task), in eval mode, on the pinned device."""
+    global _loaded
+    if _loaded is None:
+        device = process_device()
+        model = load_model().to(device).eval()
+        _loaded = (model, device)
+    return _loaded
+
+
+def forward(batch: np.ndarray) -> np.ndarray:
+    """Probabilities (N, classes) for a (N, 8, 8) batch of 0..16 pixels."""
+    model, device = model_and_device()
+    x = torch.from_numpy(batch / PIXEL_MAX).unsqueeze(1).to(device)
+    with torch.inference_mode():
+        logits = model(x)
+    if logits.ndim != 2 or logits.shape[0] != len(batch):
+        raise ValueError(f"model returned shape {tuple(logits.shape)}, expected ({len(batch)}, classes)")
+    return torch.softmax(logits.float(), dim=1).cpu().numpy()
+
+
+def as_prediction(probabilities: np.ndarray) -> dict[str, Any]:
+    return {"label": int(probabilities.argmax()), "probabilities": [round(float(p), 6) for p in probabilities]}
+
+
+def classify(image: Any) -> dict[str, Any]:
+    return as_prediction(forward(check_image(image)[None])[0])
+
+
+def classify_batch(images: Any, micro_batch: int = MICRO_BATCH) -> list[dict[str, Any]]:
+    batch = check_batch(images)
+    out: list[dict[str, Any]] = []
+    for start in range(0, len(batch), micro_batch):  # bounded memory on the device
+        out.extend(as_prediction(p) for p in forward(batch[start : start + micro_batch]))
+    return out
+
+
+def evaluate() -> dict[str, Any]:
+    started = time.perf_counter()
+    _, x_test, _, y_test = held_out_split()
+    chunks = range(0, len(x_test), MICRO_BATCH)
+    predicted = np.concatenate([forward(x_test[i : i + MICRO_BATCH]).argmax(1) for i in chunks])
+    classes = 10
+    confusion = np.zeros((classes, classes), dtype=int)
+    for truth, guess in zip(y_test, predicted, strict=True):
+        confusion[truth, guess] += 1
+    per_class = {str(c): round(float(confusion[c, c] / max(confusion[c].sum(), 1)), 4) for c in range(classes)}
+    return {
+        "accuracy": round(float((predicted == y_test).mean()), 4),
+        "n": len(y_test),
+        "per_class": per_class,
+        "confusion_matrix": confusion.tolist(),
+        "seconds": round(time.perf_counter() - started, 4),
+    }

@@ -1,0 +1,190 @@
+"""The example torch app: a real worker of ``tasks`` on real Redis, and the HTTP front door."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from celery_prio.workers import WorkerProcess
+from tests.conftest import REDIS_URL, ROOT, need_broker
+
+torch = pytest.importorskip("torch")
+
+from tasks import predict  # noqa: E402
+from tasks.http import create_api  # noqa: E402
+from tasks.model import held_out_split  # noqa: E402
+
+pytestmark = [pytest.mark.broker]
+
+
+def images(n: int, start: int = 0) -> tuple[list, list]:
+    _, x, _, y = held_out_split()
+    return x[start : start + n].tolist(), y[start : start + n].tolist()
+
+
+class TasksEnv:
+    """The ``tasks`` app against Redis db 13 with its own queue prefix."""
+
+    def __init__(self, tmp_path, **prio: object) -> None:
+        self.prefix = f"inf{uuid.uuid4().hex[:8]}"
+        self.env = {
+            "CELERY_BROKER_URL": REDIS_URL,
+            "CELERY_RESULT_BACKEND": REDIS_URL,
+            "PRIO_SETTINGS": json.dumps({"queue_prefix": self.prefix, **prio}),
+            "PYTHONPATH": str(ROOT),
+        }
+        self.tmp_path = tmp_path
+        self.worker: WorkerProcess | None = None
+        import celery_prio
+        from config import celery as config
+
+        self.app = Celery("client", set_as_current=False)
+        self.app.config_from_object(config)
+        self.app.conf.broker_url = self.app.conf.result_backend = REDIS_URL
+        celery_prio.install(self.app, queue_prefix=self.prefix, **prio)
+
+    def start_worker(self, **kwargs) -> WorkerProcess:
+        self.worker = WorkerProcess(
+            "tasks", log_path=self.tmp_path / "tasks-worker.log", env=self.env, cwd=ROOT, concurrency=2, **kwargs
+        ).wait_ready()
+        return self.worker
+
+    def close(self) -> None:
+        if self.worker:
+            self.worker.kill()
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(f"{self.prefix}*"):
+            client.delete(key)
+
+
+@pytest.fixture
+def tasks_env(tmp_path):
+    need_broker("redis")
+    e = TasksEnv(tmp_path)
+    yield e
+    e.close()
+
+
+def test_predictions_in_process():
+    x, y = images(64)
+    batch = predict.classify_batch(x, micro_batch=16)
+    singles = [predict.classify(img) for img in x]
+    assert [b["label"] for b in batch] == [s["label"] for s in singles]
+    assert sum(b["label"] == t for b, t in zip(batch, y, strict=True)) >= 60
+    assert all(len(b["probabilities"]) == 10 and abs(sum(b["probabilities"]) - 1) < 1e-3 for b in batch)
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ([[0] * 8] * 7, "must have 8 rows of 8 numbers, got 7 rows"),
+        ([[0] * 8] * 7 + [[0] * 9], "row 7 must have 8 numbers, got 9 values"),
+        ([[0] * 8] * 7 + [["a"] + [0] * 7], "image[7][0] is 'a' (str), expected a number"),
+        ([[0] * 8] * 7 + [[True] + [0] * 7], "image[7][0] is True (bool), expected a number"),
+        ([[0] * 8] * 7 + [[17] + [0] * 7], "image[7][0] = 17 is out of range 0..16"),
+        ([[0] * 8] * 7 + [[-1] + [0] * 7], "image[7][0] = -1 is out of range 0..16"),
+        ("image", "must be an 8x8 nested list of numbers 0..16, got str"),
+    ],
+)
+def test_bad_images_say_what_is_wrong(image, message):
+    with pytest.raises(ValueError) as info:
+        predict.classify(image)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [([], "images is empty"), ("x", "images must be a list"), ([[[0] * 8] * 8] * 5000, "more than the limit of 4096")],
+)
+def test_bad_batches_say_what_is_wrong(batch, message):
+    with pytest.raises(ValueError, match=message):
+        predict.classify_batch(batch)
+
+
+@pytest.mark.slow
+def test_real_worker_serves_all_three_tasks_and_survives_bad_input(tasks_env):
+    tasks_env.start_worker()
+    app = tasks_env.app
+    x, y = images(20)
+    single = app.send_task("tasks.inference.classify", args=[x[0]], tier="realtime").get(timeout=60)
+    batch = app.send_task("tasks.inference.classify_batch", args=[x], tier="batch").get(timeout=60)
+    assert single == batch[0]
+    assert [b["label"] for b in batch] == [predict.classify(img)["label"] for img in x]
+    report = app.send_task("tasks.inference.evaluate", tier="offline").get(timeout=120)
+    assert report["accuracy"] >= 0.95 and report["n"] == 450
+    assert set(report["per_class"]) == {str(d) for d in range(10)}
+    assert len(report["confusion_matrix"]) == 10
+    with pytest.raises(ValueError, match=r"image\[0\]\[0\] = 99 is out of range"):
+        app.send_task("tasks.inference.classify", args=[[[99] * 8] * 8], tier="realtime").get(timeout=60)
+    with pytest.raises(ValueError, match="images is empty"):
+        app.send_task("tasks.inference.classify_batch", args=[[]], tier="batch").get(timeout=60)
+    # ... and the worker keeps serving.
+    assert app.send_task("tasks.inference.classify", args=[x[1]], tier="realtime").get(timeout=60)["label"] == y[1]
+    stats = next(iter(app.control.inspect(timeout=5, limit=1).stats().values()))
+    assert stats["gpus"] == "none (CPU)"
+    assert {d["device"] for d in stats["devices"].values()} == {"cpu"}
+
+
+@pytest.mark.slow
+def test_http_front_door(tasks_env, tmp_path):
+    x, y = images(3)
+    # 504: no worker yet, short deadline.
+    client = TestClient(create_api(tasks_env.app, deadline_s=0.5))
+    assert client.post("/v1/classify", json={"image": x[0]}).status_code == 504
+    # 422: the reason is in the body, nothing is published.
+    bad = client.post("/v1/classify", json={"image": [[1, 2]]})
+    assert bad.status_code == 422 and "must have 8 rows" in bad.json()["detail"]
+    assert client.post("/v1/classify", content=b"not json").status_code == 422
+    assert client.post("/v1/classify_batch", json={"images": []}).status_code == 422
+    # 200 with a worker.
+    tasks_env.start_worker()
+    client = TestClient(create_api(tasks_env.app, deadline_s=30))
+    ok = client.post("/v1/classify", json={"image": x[0]})
+    assert ok.status_code == 200 and ok.json()["label"] == y[0]
+    accepted = client.post("/v1/classify_batch", json={"images": x})
+    assert accepted.status_code == 202
+    task_id = accepted.json()["task_id"]
+    tasks_env.app.AsyncResult(task_id).get(timeout=60)
+    state = client.get(f"/v1/tasks/{task_id}").json()
+    assert state["state"] == "SUCCESS" and [r["label"] for r in state["result"]] == y
+
+
+@pytest.mark.slow
+def test_http_429_when_the_realtime_tier_is_full(tmp_path):
+    need_broker("redis")
+    env = TasksEnv(tmp_path, max_length={"realtime": 5})
+    try:
+        client = TestClient(create_api(env.app, deadline_s=0.2))
+        x, _ = images(1)
+        for _ in range(5):  # no worker: each waits out its deadline in the queue
+            assert client.post("/v1/classify", json={"image": x[0]}).status_code == 504
+        full = client.post("/v1/classify", json={"image": x[0]})
+        assert full.status_code == 429
+        assert int(full.headers["Retry-After"]) >= 1
+        assert "realtime tier is full (5 waiting)" in full.json()["detail"]
+    finally:
+        env.close()
+
+
+def test_gpu_pinning_round_robin(monkeypatch):
+    from tasks.gpu import parse_gpus, pin_this_process
+
+    monkeypatch.setenv("CELERY_PRIO_GPUS", "0,1")
+    pinned = []
+    for index in range(1, 5):  # pool children 1..4, each in a fresh process environment
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # --gpus counts inside this list
+        pinned.append((pin_this_process(index), os.environ["CUDA_VISIBLE_DEVICES"]))
+    assert pinned == [("5", "5"), ("4", "4"), ("5", "5"), ("4", "4")]
+    monkeypatch.delenv("CELERY_PRIO_GPUS")
+    assert pin_this_process(0) is None
+    import click
+
+    with pytest.raises(click.BadParameter, match="--gpus takes GPU numbers"):
+        parse_gpus("0,a")
