@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": "celery_prio.bench"}
+    commands = {"demo": "celery_prio.demo", "bench": "celery_prio.bench"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
             "usage: celery-prio {" + ",".join(commands) + "} [options]\n"

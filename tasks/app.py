@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from celery import Celery
 
 import celery_prio
@@ -11,5 +13,9 @@ from .gpu import add_gpu_pinning
 
 app = Celery("tasks", include=["tasks.inference"])
 app.config_from_object("config.celery")
-celery_prio.install(app, **prio_settings())
+if os.environ.get("TASKS_PLAIN_CELERY") == "1":
+    # The demo's baseline: the same tasks and workers on one plain FIFO queue.
+    app.conf.task_default_queue = os.environ.get("TASKS_PLAIN_QUEUE", "celery")
+else:
+    celery_prio.install(app, **prio_settings())
 add_gpu_pinning(app)

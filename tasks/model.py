@@ -12,16 +12,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from .checks import IMAGE_SHAPE, PIXEL_MAX
+from .data import held_out_split
 
 __all__ = ["IMAGE_SHAPE", "PIXEL_MAX", "DigitsCNN", "held_out_split", "load_model"]
 
 WEIGHTS = Path(__file__).parent / "weights" / "digits_cnn.pt"
-SEED = 1234
 
 
 class DigitsCNN(nn.Module):
@@ -61,13 +60,3 @@ def load_model(name: str | None = None) -> nn.Module:
     if Path(name).is_file():
         return load_torchscript(name)
     raise ValueError(f"unknown model {name!r}: use one of {sorted(MODELS)} or a TorchScript file path")
-
-
-def held_out_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The fixed train / held-out split of scikit-learn's digits (ships with the package)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = digits.images.astype(np.float32)
-    return train_test_split(x, digits.target, test_size=0.25, random_state=SEED, stratify=digits.target)
