@@ -9,12 +9,14 @@ celery -A app prio dead purge               delete them
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .brokers import adapter_for
+from .control import collect_prio_stats
 from .install import settings_for
 from .tiers import TIERS
 
@@ -32,32 +34,79 @@ def prio(ctx, **kwargs):
     """Operate celery-prio's tier queues."""
 
 
+def cluster_status(app, settings, adapter) -> dict:
+    """Per tier: broker depth, plus the workers' figures summed (inspect prio_stats)."""
+    replies = collect_prio_stats(app, timeout=1.0)
+    workers = {name: r for name, r in replies.items() if isinstance(r, dict) and "tiers" in r}
+    rows = {}
+    total_busy = sum(t["busy_seconds"] for w in workers.values() for t in w["tiers"].values()) or 0.0
+    for tier in TIERS:
+        per_worker = [w["tiers"][tier.label] for w in workers.values()]
+
+        def worst(key, rows_=per_worker):
+            values = [r[key] for r in rows_ if r.get(key) is not None]
+            return max(values) if values else None
+
+        busy = sum(r["busy_seconds"] for r in per_worker)
+        rows[tier.label] = {
+            "queue": settings.queue_name(tier),
+            "depth": adapter.depth(settings.queue_name(tier)),
+            "max_length": settings.max_length[tier],
+            "workers": sum(1 for r in per_worker if r["queues"]),
+            "dispatched": sum(r["dispatched"] for r in per_worker),
+            "running": sum(r["running"] for r in per_worker),
+            "oldest_wait_s": worst("oldest_wait_s"),
+            "wait_p99_ms": worst("wait_p99_ms"),
+            "slot_time_share": round(busy / total_busy, 4) if total_busy else None,
+            "configured_share": round(settings.weights[tier] / sum(settings.weights.values()), 4),
+            "promoted": worst("promoted"),
+            "rejected": worst("rejected"),
+            "dropped": worst("dropped"),
+        }
+    return {"tiers": rows, "dead": adapter.depth(settings.dead_letter_queue), "workers": sorted(workers)}
+
+
+def _fmt(value, pattern="{}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
 @prio.command(cls=CeleryCommand)
 @click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help="Print JSON for scripts.")
+@click.option("--watch", cls=CeleryOption, type=float, default=None, help="Refresh every N seconds.")
 @click.pass_context
-def status(ctx, as_json: bool):
-    """Queue depth per tier, as the broker reports it."""
+def status(ctx, as_json: bool, watch: float | None):
+    """Per tier: depth (from the broker), rates, waits and shares (from the workers)."""
     _, settings, adapter = _context(ctx)
+    app = ctx.obj.app
     try:
-        rows = {
-            t.label: {
-                "queue": settings.queue_name(t),
-                "depth": adapter.depth(settings.queue_name(t)),
-                "max_length": settings.max_length[t],
-                "overflow": settings.overflow[t],
-            }
-            for t in TIERS
-        }
-        dead = adapter.depth(settings.dead_letter_queue)
+        while True:
+            data = cluster_status(app, settings, adapter)
+            if as_json:
+                click.echo(json.dumps(data))
+            else:
+                if watch:
+                    click.clear()
+                header = (
+                    f"{'tier':<10}{'depth':>8}{'max':>9}{'workers':>9}{'dispatched':>12}{'running':>9}"
+                    f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}"
+                )
+                click.echo(header)
+                for label, r in data["tiers"].items():
+                    click.echo(
+                        f"{label:<10}{r['depth']:>8}{_fmt(r['max_length']):>9}{r['workers']:>9}"
+                        f"{r['dispatched']:>12}{r['running']:>9}{_fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
+                        f"{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}{_fmt(r['slot_time_share'], '{:.2f}'):>8}"
+                        f"{r['configured_share']:>7.2f}"
+                    )
+                click.echo(
+                    f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "
+                    f"workers: {', '.join(data['workers']) or 'none answered'}"
+                )
+            if not watch:
+                break
+            time.sleep(watch)
     finally:
         adapter.close()
-    if as_json:
-        click.echo(json.dumps({"tiers": rows, "dead": dead}))
-        return
-    click.echo(f"{'tier':<10}{'queue':<28}{'depth':>9}{'max':>10}  overflow")
-    for label, row in rows.items():
-        click.echo(f"{label:<10}{row['queue']:<28}{row['depth']:>9}{row['max_length'] or '-':>10}  {row['overflow']}")
-    click.echo(f"dead letters ({settings.dead_letter_queue}): {dead}")
 
 
 @prio.group()

@@ -29,6 +29,7 @@ from .aging import enqueue_age
 from .brokers.amqp import declare_tier_queues, promoted_queue
 from .brokers.redis import RESTORE_INTERVAL, RedisAdapter, report_drain_rates, restore_expired_unacked
 from .install import settings_for
+from .metrics import serve_metrics
 from .routing import PROMOTED_HEADER
 from .scheduler import TierScheduler
 from .settings import PrioSettings
@@ -357,6 +358,7 @@ class PrioTasks(bootsteps.StartStopStep):
 
     def __init__(self, c: Consumer, **kwargs: Any) -> None:
         c.task_consumer = c.qos = None
+        self.collector = None
         super().__init__(c, **kwargs)
 
     def start(self, c: Consumer) -> None:
@@ -367,6 +369,10 @@ class PrioTasks(bootsteps.StartStopStep):
         # broker-side window to move, so the setter does nothing.
         c.qos = QoS(fetcher.qos, fetcher.scheduler.concurrency)
         c.task_consumer = fetcher
+        if settings.metrics_port is not None:
+            if self.collector is None:  # one exporter per worker, kept across reconnects
+                self.collector = serve_metrics(fetcher, c.app, settings.metrics_host, settings.metrics_port)
+            self.collector.fetcher = fetcher
         logger.info(
             "celery-prio: serving %s (concurrency %d, %d reserved for realtime, weights %s)",
             ", ".join(q.name for q in fetcher.queues),

@@ -76,7 +76,9 @@ def embedded_redis():
     port, workdir = _free_port(), tempfile.mkdtemp(prefix="celery-prio-demo-redis-")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 10
@@ -134,8 +136,9 @@ def run_once(mode: str, broker: str, backend: str, cfg: DemoConfig, logdir: Path
     images = x.tolist()
     batch_images = (images * (cfg.batch_size // len(images) + 1))[: cfg.batch_size]
     task = progress.add_task(f"{mode}: starting workers", total=cfg.duration)
-    worker = WorkerProcess("tasks", log_path=logdir / f"worker-{mode}.log", concurrency=cfg.concurrency,
-                           env=env, cwd=ROOT)
+    worker = WorkerProcess(
+        "tasks", log_path=logdir / f"worker-{mode}.log", concurrency=cfg.concurrency, env=env, cwd=ROOT
+    )
     sent: dict[str, list[tuple[Any, float]]] = {t: [] for t in TIER_TASKS}
     refused = {t: 0 for t in TIER_TASKS}
 
@@ -150,8 +153,10 @@ def run_once(mode: str, broker: str, backend: str, cfg: DemoConfig, logdir: Path
     try:
         worker.wait_ready(timeout=120)
         # Warm every pool process (torch import, model load) outside the measurement.
-        warm = [app.send_task(TIER_TASKS["realtime"], args=[images[0]],
-                              **({"tier": "realtime"} if mode == "prio" else {})) for _ in range(4 * cfg.concurrency)]
+        warm = [
+            app.send_task(TIER_TASKS["realtime"], args=[images[0]], **({"tier": "realtime"} if mode == "prio" else {}))
+            for _ in range(4 * cfg.concurrency)
+        ]
         for r in warm:
             r.get(timeout=120)
         for _ in range(cfg.offline_jobs):
@@ -165,8 +170,11 @@ def run_once(mode: str, broker: str, backend: str, cfg: DemoConfig, logdir: Path
             time.sleep(max(0.0, next_at - time.time()))
             publish("realtime", [images[rng.randrange(len(images))]])
             next_at += rng.expovariate(cfg.rt_rate)
-            progress.update(task, completed=min(time.time() - t0, cfg.duration),
-                            description=f"{mode}: {len(sent['realtime'])} online requests sent")
+            progress.update(
+                task,
+                completed=min(time.time() - t0, cfg.duration),
+                description=f"{mode}: {len(sent['realtime'])} online requests sent",
+            )
         t_end = t0 + cfg.duration
         progress.update(task, completed=cfg.duration, description=f"{mode}: waiting for stragglers")
         deadline = time.time() + cfg.grace
@@ -257,15 +265,34 @@ def table(runs: dict[str, dict[str, Any]]):
     from rich.table import Table
 
     t = Table(title="plain Celery (one FIFO queue) vs celery-prio, same workers")
-    for col in ("tier", "setup", "p50 ms", "p99 ms", "done/sent", "per s", "longest wait s", "429s", "drops",
-                "promoted"):
+    for col in (
+        "tier",
+        "setup",
+        "p50 ms",
+        "p99 ms",
+        "done/sent",
+        "per s",
+        "longest wait s",
+        "429s",
+        "drops",
+        "promoted",
+    ):
         t.add_column(col, justify="right" if col not in ("tier", "setup") else "left")
     for tier in TIER_TASKS:
         for mode in ("fifo", "prio"):
             m = runs[mode][tier]
-            t.add_row(tier if mode == "fifo" else "", mode, f"{m['p50_ms']:.0f}", f"{m['p99_ms']:.0f}",
-                      f"{m['done']}/{m['sent']}", f"{m['throughput_per_s']:.2f}", f"{m['longest_wait_s']:.1f}",
-                      str(m["refused_429"]), str(m["dropped"]), str(m["promoted"]))
+            t.add_row(
+                tier if mode == "fifo" else "",
+                mode,
+                f"{m['p50_ms']:.0f}",
+                f"{m['p99_ms']:.0f}",
+                f"{m['done']}/{m['sent']}",
+                f"{m['throughput_per_s']:.2f}",
+                f"{m['longest_wait_s']:.1f}",
+                str(m["refused_429"]),
+                str(m["dropped"]),
+                str(m["promoted"]),
+            )
     return t
 
 
@@ -280,9 +307,13 @@ def chart(runs: dict[str, dict[str, Any]], path: Path) -> None:
         for mode, color in (("fifo", "#c0392b"), ("prio", "#2471a3")):
             values = sorted(v * 1000 for v in runs[mode][tier]["latencies_s"])
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=color,
-                        label=f"{'plain Celery FIFO' if mode == 'fifo' else 'celery-prio'} "
-                              f"(p99 {runs[mode][tier]['p99_ms']:.0f} ms)")
+                ax.plot(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    color=color,
+                    label=f"{'plain Celery FIFO' if mode == 'fifo' else 'celery-prio'} "
+                    f"(p99 {runs[mode][tier]['p99_ms']:.0f} ms)",
+                )
         ax.set_xscale("log")
         ax.set_title(f"{tier}: latency, publish -> done")
         ax.set_xlabel("ms (log scale)")
@@ -312,9 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help="write the figures as JSON here")
     parser.add_argument("--chart", type=Path, default=Path("celery-prio-demo.png"), help="PNG latency chart")
     args = parser.parse_args(argv)
-    cfg = DemoConfig(duration=args.duration, rt_rate=args.rt_rate, batch_jobs=args.batch_jobs,
-                     batch_size=args.batch_size, offline_jobs=args.offline_jobs, concurrency=args.concurrency,
-                     grace=min(DemoConfig.grace, max(3.0, args.duration / 2)))
+    cfg = DemoConfig(
+        duration=args.duration,
+        rt_rate=args.rt_rate,
+        batch_jobs=args.batch_jobs,
+        batch_size=args.batch_size,
+        offline_jobs=args.offline_jobs,
+        concurrency=args.concurrency,
+        grace=min(DemoConfig.grace, max(3.0, args.duration / 2)),
+    )
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -334,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             backend = args.backend or broker.rsplit("/", 1)[0] + "/1"
         runs = {}
         try:
-            with Progress(TextColumn("{task.description:<40}"), BarColumn(), TimeElapsedColumn(),
-                          console=console) as progress:
+            with Progress(
+                TextColumn("{task.description:<40}"), BarColumn(), TimeElapsedColumn(), console=console
+            ) as progress:
                 for mode in ("fifo", "prio"):
                     runs[mode] = run_once(mode, broker, backend, cfg, Path(tmp), progress)
         except KeyboardInterrupt:
@@ -343,15 +381,24 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         console.print(table(runs))
         rt_ratio = runs["fifo"]["realtime"]["p99_ms"] / max(runs["prio"]["realtime"]["p99_ms"], 1e-9)
-        console.print(f"realtime P99: FIFO {runs['fifo']['realtime']['p99_ms']:.0f} ms, celery-prio "
-                      f"{runs['prio']['realtime']['p99_ms']:.0f} ms -> {rt_ratio:.1f}x lower")
+        console.print(
+            f"realtime P99: FIFO {runs['fifo']['realtime']['p99_ms']:.0f} ms, celery-prio "
+            f"{runs['prio']['realtime']['p99_ms']:.0f} ms -> {rt_ratio:.1f}x lower"
+        )
         chart(runs, args.chart)
         console.print(f"chart: {args.chart}")
         if args.report:
-            report = {"runs": {m: {t: {k: v for k, v in r.items() if k != "latencies_s"} for t, r in run.items()}
-                               for m, run in runs.items()},
-                      "config": {**asdict(cfg), "broker": "embedded redis" if not args.broker else "given",
-                                 "realtime_p99_fifo_over_prio": round(rt_ratio, 2)}}
+            report = {
+                "runs": {
+                    m: {t: {k: v for k, v in r.items() if k != "latencies_s"} for t, r in run.items()}
+                    for m, run in runs.items()
+                },
+                "config": {
+                    **asdict(cfg),
+                    "broker": "embedded redis" if not args.broker else "given",
+                    "realtime_p99_fifo_over_prio": round(rt_ratio, 2),
+                },
+            }
             args.report.write_text(json.dumps(report, indent=2))
             console.print(f"report: {args.report}")
     return 0
@@ -359,4 +406,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -8,6 +8,7 @@ from typing import Any
 from celery import Celery, signals
 from kombu import Connection
 
+from . import control  # noqa: F401 - registers `celery inspect prio_stats`
 from .admission import guard_send_task
 from .routing import make_router, register_tier_queues, stamp_enqueue_time, tier_queues
 from .settings import DEFAULTS, PrioSettings, load_settings
@@ -17,6 +18,23 @@ logger = logging.getLogger(__name__)
 
 CONSUMER_PATH = "celery_prio.consumer:PrioConsumer"
 REDIS_TRANSPORT_PATH = "celery_prio.brokers.redis_transport:Transport"
+
+
+def use_capped_redis_transport() -> None:
+    """Point kombu's ``redis``/``rediss`` names at our transport subclass.
+
+    Through kombu's own alias table rather than ``broker_transport``: URLs keep
+    their ``redis://`` scheme, so tools that read the broker URL back (Flower's
+    broker page, ``as_uri()`` in logs) still see Redis. The subclass differs
+    only for queues named in ``prio_caps`` transport options, so other Redis
+    connections in the process behave exactly as before.
+    """
+    from kombu import transport
+
+    for name in ("redis", "rediss"):
+        if transport.TRANSPORT_ALIASES.get(name) != REDIS_TRANSPORT_PATH:
+            transport.TRANSPORT_ALIASES[name] = REDIS_TRANSPORT_PATH
+            transport._transport_cache.pop(name, None)  # a class resolved before install()
 
 
 def broker_kind(app: Celery) -> str:
@@ -72,14 +90,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     if kind == "redis":
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
-        url = app.conf.broker_url or ""
-        if app.conf.broker_transport in (None, "redis") and url.startswith(("redis://", "rediss://")):
-            app.conf.broker_transport = REDIS_TRANSPORT_PATH
-        elif app.conf.broker_transport != REDIS_TRANSPORT_PATH:
-            logger.warning(
-                "celery-prio: broker transport %r keeps kombu's Redis publish; prio_max_length is not enforced",
-                app.conf.broker_transport or url,
-            )
+        use_capped_redis_transport()
         options["prio_caps"] = {
             settings.queue_name(t): [cap, settings.overflow[t], t.label]
             for t, cap in settings.max_length.items()

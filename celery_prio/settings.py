@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
     "scheduler": "time",
     "poll_interval": 0.05,
     "aging_interval": 1.0,
+    "metrics_port": None,  # serve Prometheus /metrics from each worker on this port (off by default)
+    "metrics_host": "127.0.0.1",
 }
 
 
@@ -74,6 +76,8 @@ class PrioSettings:
     scheduler: str
     poll_interval: float
     aging_interval: float
+    metrics_port: int | None
+    metrics_host: str
 
     def queue_name(self, tier: Tier) -> str:
         return f"{self.queue_prefix}.{tier.label}"
@@ -186,6 +190,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         except ValueError as exc:
             raise ConfigError(f"prio_routes[{pattern!r}]: {exc}") from None
 
+    port = raw["metrics_port"]
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+        raise ConfigError(f"prio_metrics_port must be a TCP port (0..65535) or None, got {port!r}")
+    if not isinstance(raw["metrics_host"], str) or not raw["metrics_host"]:
+        raise ConfigError(f"prio_metrics_host must be a host name or address, got {raw['metrics_host']!r}")
+
     if raw["scheduler"] not in SCHEDULER_MODES:
         raise ConfigError(f"prio_scheduler must be one of {SCHEDULER_MODES}, got {raw['scheduler']!r}")
 
@@ -202,6 +212,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         scheduler=raw["scheduler"],
         poll_interval=_number("poll_interval", raw["poll_interval"], minimum=0, inclusive=False),
         aging_interval=_number("aging_interval", raw["aging_interval"], minimum=0, inclusive=False),
+        metrics_port=port,
+        metrics_host=raw["metrics_host"],
     )
 
 

@@ -7,12 +7,15 @@ are computed only when someone asks (``inspect stats``, ``/metrics``).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 from .tiers import TIERS, Tier
 
 WINDOW = 2048  # recent samples kept per tier for percentiles
+#: Histogram bucket bounds (seconds), Prometheus-style, for queue wait and run time.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 7200)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -26,7 +29,28 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 @dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))  # last: +Inf
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(BUCKETS, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, count in zip([*map(str, BUCKETS), "+Inf"], self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
 class TierFigures:
+    wait_hist: Histogram = field(default_factory=Histogram)
+    run_hist: Histogram = field(default_factory=Histogram)
     waits: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     runtimes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     promoted_seen: int = 0  # fetched messages that had been promoted into this tier
@@ -46,11 +70,13 @@ class WorkerStats:
         if wait is not None:
             wait = max(0.0, wait)
             figures.waits.append(wait)
+            figures.wait_hist.observe(wait)
             figures.max_wait = max(figures.max_wait, wait)
             figures.head_wait, figures.head_seen_at = wait, now
 
     def observe_run(self, tier: Tier, seconds: float) -> None:
         self.tiers[tier].runtimes.append(seconds)
+        self.tiers[tier].run_hist.observe(seconds)
 
     def observe_empty(self, tier: Tier) -> None:
         self.tiers[tier].head_wait = self.tiers[tier].head_seen_at = None

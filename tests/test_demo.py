@@ -18,9 +18,28 @@ def test_short_demo_runs_end_to_end_and_reports(tmp_path):
     report, chart = tmp_path / "r.json", tmp_path / "chart.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "PRIO_"))}  # no broker configured
     done = subprocess.run(
-        [sys.executable, "-m", "celery_prio.cli", "demo", "--duration", "5", "--batch-jobs", "60",
-         "--offline-jobs", "10", "--report", str(report), "--chart", str(chart)],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env, check=False,
+        [
+            sys.executable,
+            "-m",
+            "celery_prio.cli",
+            "demo",
+            "--duration",
+            "5",
+            "--batch-jobs",
+            "60",
+            "--offline-jobs",
+            "10",
+            "--report",
+            str(report),
+            "--chart",
+            str(chart),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(report.read_text())
@@ -28,13 +47,15 @@ def test_short_demo_runs_end_to_end_and_reports(tmp_path):
     for mode in ("fifo", "prio"):
         assert set(data["runs"][mode]) == {"realtime", "batch", "offline"}
         rt = data["runs"][mode]["realtime"]
-        assert {"p50_ms", "p99_ms", "throughput_per_s", "longest_wait_s", "refused_429", "dropped", "promoted"} <= set(rt)
+        expected = {"p50_ms", "p99_ms", "throughput_per_s", "longest_wait_s", "refused_429", "dropped", "promoted"}
+        assert expected <= set(rt)
         assert rt["sent"] > 0
     assert data["runs"]["prio"]["realtime"]["p99_ms"] < data["runs"]["fifo"]["realtime"]["p99_ms"]
     assert data["config"]["duration"] == 5
     assert chart.stat().st_size > 10_000
     assert "realtime P99" in done.stdout
     # Nothing left behind: no worker of this run, no embedded redis-server.
-    leftovers = subprocess.run(["pgrep", "-f", "celery-prio-demo-redis-|-A tasks worker"], capture_output=True,
-                               text=True, check=False).stdout.split()
+    leftovers = subprocess.run(
+        ["pgrep", "-f", "celery-prio-demo-redis-|-A tasks worker"], capture_output=True, text=True, check=False
+    ).stdout.split()
     assert leftovers == []

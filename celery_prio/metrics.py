@@ -1,0 +1,96 @@
+"""Prometheus ``/metrics`` for a worker (``prio_metrics_port``; off by default).
+
+Served by the worker's main process, where the scheduler and the fetcher
+live: prefork children record nothing, so no multiprocess mode is needed.
+The collector reads the fetcher's figures at scrape time (nothing on the hot
+path) and asks the broker for queue depths over a connection of its own
+(the scrape runs on the exporter's thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class PrioCollector:
+    def __init__(self, fetcher: Any, app: Any) -> None:
+        self.fetcher = fetcher
+        self.app = app
+        self._adapter = None
+
+    def _depths(self) -> dict[str, int]:
+        from .brokers import adapter_for
+
+        settings = self.fetcher.settings
+        try:
+            if self._adapter is None:
+                self._adapter = adapter_for(self.app)
+            return {t: self._adapter.depth(settings.queue_name(tier)) for t, tier in _tiers()}
+        except Exception as exc:
+            logger.warning("celery-prio metrics: could not read queue depths: %r", exc)
+            self._adapter = None
+            return {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        info = self.fetcher.info()
+        tiers = info["tiers"]
+
+        def family(kind, name: str, doc: str, key: str):
+            metric = kind(f"celery_prio_{name}", doc, labels=["tier"])
+            for tier, row in tiers.items():
+                if row.get(key) is not None:
+                    metric.add_metric([tier], float(row[key]))
+            return metric
+
+        yield family(CounterMetricFamily, "dispatched", "Tasks this worker took from the tier", "dispatched")
+        yield family(CounterMetricFamily, "finished", "Tasks of the tier that left their slot", "finished")
+        yield family(GaugeMetricFamily, "running", "Tasks of the tier in a slot now", "running")
+        yield family(CounterMetricFamily, "busy_seconds", "Slot time used by the tier", "busy_seconds")
+        yield family(GaugeMetricFamily, "slot_time_share", "Share of slot time received", "slot_time_share")
+        yield family(GaugeMetricFamily, "configured_share", "Share of slot time configured", "configured_share")
+        yield family(GaugeMetricFamily, "oldest_wait_seconds", "Age of the oldest waiting message", "oldest_wait_s")
+        yield family(GaugeMetricFamily, "max_wait_seconds", "Longest queue wait seen", "wait_max_s")
+        yield family(CounterMetricFamily, "promoted", "Messages promoted out of the tier (Redis)", "promoted")
+        yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 (Redis)", "rejected")
+        yield family(CounterMetricFamily, "dropped", "Messages evicted to the dead letters (Redis)", "dropped")
+        depth = GaugeMetricFamily("celery_prio_queue_depth", "Messages waiting in the tier queue", labels=["tier"])
+        for tier, value in self._depths().items():
+            depth.add_metric([tier], value)
+        yield depth
+        stats = self.fetcher.stats
+        for name, attr, doc in (
+            ("wait_seconds", "wait_hist", "Queue wait, enqueue stamp to dispatch"),
+            ("run_seconds", "run_hist", "Slot time per task"),
+        ):
+            metric = HistogramMetricFamily(f"celery_prio_{name}", doc, labels=["tier"])
+            for tier, label in ((t, t.label) for t in stats.tiers):
+                hist = getattr(stats.tiers[tier], attr)
+                metric.add_metric([label], hist.cumulative(), sum_value=hist.total)
+            yield metric
+        yield GaugeMetricFamily("celery_prio_scrape_timestamp_seconds", "When this scrape ran", value=time.time())
+
+
+def _tiers():
+    from .tiers import TIERS
+
+    return [(t.label, t) for t in TIERS]
+
+
+def serve_metrics(fetcher: Any, app: Any, host: str, port: int) -> Any:
+    """Start the exporter thread; returns the registry (tests read it directly)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise RuntimeError("prio_metrics_port needs prometheus_client: pip install 'celery-prio[ops]'") from None
+    registry = CollectorRegistry()
+    collector = PrioCollector(fetcher, app)
+    registry.register(collector)
+    start_http_server(port, addr=host, registry=registry)
+    logger.info("celery-prio: Prometheus metrics on http://%s:%d/metrics", host, port)
+    return collector

@@ -1,0 +1,163 @@
+"""Per-tier figures where operators look: inspect, `prio status`, Prometheus, Flower."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from celery_prio.tiers import Tier
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fill(env):
+    """Some work done on every tier, and a known backlog left in batch and offline."""
+    sleep = env.app.tasks["t.sleep"]
+    done = [sleep.apply_async((f"d{i}", 0.01), tier=t) for i, t in enumerate(["realtime", "batch", "offline"] * 3)]
+    for r in done:
+        r.get(timeout=20)
+    env.app.control.cancel_consumer(env.queue(B), reply=True, timeout=2)
+    env.app.control.cancel_consumer(env.queue(O), reply=True, timeout=2)
+    time.sleep(0.3)
+    for i in range(4):
+        sleep.apply_async((f"b{i}", 0), tier="batch")
+    for i in range(7):
+        sleep.apply_async((f"o{i}", 0), tier="offline")
+
+
+def test_inspect_prio_stats_and_prio_status_match_the_broker(env):
+    env.start_worker(concurrency=2)
+    fill(env)
+    from celery_prio.control import collect_prio_stats
+
+    stats = collect_prio_stats(env.app, timeout=3, limit=1)
+    (reply,) = stats.values()
+    assert set(reply["tiers"]) == {"realtime", "batch", "offline"}
+    for tier in ("realtime", "batch", "offline"):
+        row = reply["tiers"][tier]
+        assert row["dispatched"] == 3 and row["finished"] == 3
+        assert row["wait_p99_ms"] is not None and row["run_p50_ms"] is not None
+    cli = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", "status", "--json"],
+        env={**os.environ, **env.worker_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    data = json.loads(cli.stdout)
+    depths = {t: r["depth"] for t, r in data["tiers"].items()}
+    assert depths == {"realtime": 0, "batch": 4, "offline": 7} == {t.label: env.depth(t) for t in (R, B, O)}
+    assert data["tiers"]["realtime"]["dispatched"] == 3
+    assert len(data["workers"]) == 1
+    table = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", "status"],
+        env={**os.environ, **env.worker_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "offline" in table.stdout and "dead letters" in table.stdout
+
+
+def test_prometheus_endpoint_parses_with_per_tier_series(env):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    env.configure(metrics_port=port)
+    env.start_worker(concurrency=2)
+    fill(env)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    depth = {s.labels["tier"]: s.value for s in families["celery_prio_queue_depth"].samples}
+    assert depth == {"realtime": 0, "batch": 4, "offline": 7}
+    dispatched = {
+        s.labels["tier"]: s.value for s in families["celery_prio_dispatched"].samples if s.name.endswith("_total")
+    }
+    assert dispatched == {"realtime": 3, "batch": 3, "offline": 3}
+    buckets = [s for s in families["celery_prio_wait_seconds"].samples if s.name.endswith("_bucket")]
+    assert {s.labels["tier"] for s in buckets} == {"realtime", "batch", "offline"}
+    counts = [s for s in families["celery_prio_wait_seconds"].samples if s.name.endswith("_count")]
+    assert all(s.value == 3 for s in counts)
+
+
+def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
+    env = redis_env
+    pytest.importorskip("flower")
+    worker = env.start_worker(concurrency=2)
+    sleep = env.app.tasks["t.sleep"]
+    for r in [sleep.apply_async((f"d{i}", 0.01), tier=t) for i, t in enumerate(["realtime", "batch", "offline"])]:
+        r.get(timeout=20)
+    port = free_port()
+    log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115
+    flower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.workerapp",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            "--basic-auth=ops:secret",
+        ],
+        env={**os.environ, **env.worker_env()},
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def get(path: str):
+            request = urllib.request.Request(base + path)
+            request.add_header("Authorization", "Basic " + base64.b64encode(b"ops:secret").decode())
+            return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+        deadline = time.time() + 60
+        workers: dict = {}
+        while time.time() < deadline:
+            try:
+                workers = get("/api/workers?refresh=1")
+                if workers and all("stats" in w for w in workers.values()):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        (info,) = workers.values()
+        assert set(info["stats"]["prio"]["tiers"]) == {"realtime", "batch", "offline"}
+        assert info["stats"]["prio"]["tiers"]["batch"]["dispatched"] == 1
+        assert {q["name"] for q in info["active_queues"]} == {env.queue(t) for t in (R, B, O)}
+        # Leave a backlog nobody takes, and read its length through Flower's broker page.
+        worker.kill()
+        for i in range(4):
+            sleep.apply_async((f"b{i}", 0), tier="batch")
+        for i in range(7):
+            sleep.apply_async((f"o{i}", 0), tier="offline")
+        queues = {q["name"]: q["messages"] for q in get("/api/queues/length")["active_queues"]}
+        assert queues[env.queue(B)] == 4 and queues[env.queue(O)] == 7 and queues[env.queue(R)] == 0
+    finally:
+        flower.kill()
+        flower.wait(10)
+        log.close()
