@@ -33,7 +33,7 @@ def test_valid_against_the_compose_specification(compose):
     schema = json.loads(schema_file.read_text())
     jsonschema.validate(compose, schema)  # raises with the path of the first violation
     broken = json.loads(json.dumps(compose))
-    broken["services"]["redis"]["healthcheck"]["retries"] = "ten"
+    broken["services"]["redis"]["stop_grace_periodd"] = "10s"  # a typo the spec rejects
     with pytest.raises(jsonschema.ValidationError):  # the check has teeth
         jsonschema.validate(broken, schema)
 
