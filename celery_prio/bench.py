@@ -72,6 +72,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _broker_kind(url: str) -> str:
     return "redis" if url.startswith("redis") else "amqp"
 
@@ -209,9 +217,9 @@ def summarize(
     }
 
 
-def run_drain(mode: str, broker: str, n: int, concurrency: int, logdir: Path) -> float:
+def run_drain(mode: str, broker: str, n: int, concurrency: int, logdir: Path, **app_options: Any) -> float:
     """Tasks per second a worker drains from a pre-filled queue of no-op tasks."""
-    run = Run(mode, broker, logdir, concurrency)
+    run = Run(mode, broker, logdir, concurrency, **app_options)
     try:
         for _ in range(n):
             run.publish("batch", 0.0)
@@ -335,10 +343,16 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     )
 
     drain = {mode: run_drain(mode, broker, drain_n, w.concurrency, logdir) for mode in ("fifo", "prio")}
+    drain["prio_metrics"] = run_drain("prio", broker, drain_n, w.concurrency, logdir, metrics_port=_free_port())
     drain_ratio = drain["prio"] / drain["fifo"]
+    metrics_ratio = drain["prio_metrics"] / drain["prio"]
     out(
         f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
         f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
+    )
+    out(
+        f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
+        f"(target >= 0.95)"
     )
     setups: dict[str, tuple[str, dict[str, Any]]] = {
         "plain": ("fifo", {}),

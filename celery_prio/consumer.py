@@ -336,9 +336,9 @@ class TierFetcher:
                 "runtime_estimate_s": round(st.estimate, 4),
                 "oldest_wait_s": None if oldest is None else round(oldest, 3),
                 # Broker-wide counters (Redis); RabbitMQ keeps none, see README.
-                "promoted": counters.get(f"promoted:{tier.label}"),
-                "rejected": counters.get(f"rejected:{tier.label}"),
-                "dropped": counters.get(f"dropped:{tier.label}"),
+                "promoted": counters.get(f"promoted:{tier.label}", 0) if self.redis else None,
+                "rejected": counters.get(f"rejected:{tier.label}", 0) if self.redis else None,
+                "dropped": counters.get(f"dropped:{tier.label}", 0) if self.redis else None,
                 **self.stats.summary(tier),
             }
         return {
