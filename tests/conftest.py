@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -123,6 +124,19 @@ class PrioEnv:
             time.sleep(0.05)
         logs = "\n".join(w.log()[-3000:] for w in self.workers)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+
+    def prio_cli(self, *args: str) -> str:
+        """Run ``celery -A tests.workerapp prio ...`` against this test's broker; its stdout."""
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", *args],
+            env={**os.environ, **self.worker_env()},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
     def depth(self, tier: Tier) -> int:
         return self.adapter.depth(self.queue(tier))

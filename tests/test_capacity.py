@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,19 +12,6 @@ from celery_prio import QueueFull, Tier
 pytestmark = pytest.mark.broker
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
-
-
-def prio_cli(env, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", *args],
-        env={**os.environ, **env.worker_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def test_full_realtime_tier_refuses_at_once_with_429(env):
@@ -59,15 +43,15 @@ def test_drop_oldest_keeps_newest_and_dead_letters_the_evicted(env):
     assert sorted(d["id"] for d in dead) == sorted(ids[:10])  # exactly the 10 oldest
     assert {d["reason"] for d in dead} == {"drop_oldest"}
     assert {d["queue"] for d in dead} == {env.queue(O)}
-    out = prio_cli(env, "dead", "list")
+    out = env.prio_cli("dead", "list")
     assert ids[0] in out
     # Requeue: the tier is full, so nothing moves until there is room.
-    assert "requeued 0; 10 left" in prio_cli(env, "dead", "requeue")
+    assert "requeued 0; 10 left" in env.prio_cli("dead", "requeue")
     with env.app.connection_for_write() as conn:  # make room: take 10 off the tier
         channel = conn.channel()
         for _ in range(10):
             channel.basic_get(queue=env.queue(O), no_ack=True)
-    assert "requeued 10; 0 left" in prio_cli(env, "dead", "requeue")
+    assert "requeued 10; 0 left" in env.prio_cli("dead", "requeue")
     assert env.depth(O) == 20
 
 

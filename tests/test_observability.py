@@ -54,29 +54,13 @@ def test_inspect_prio_stats_and_prio_status_match_the_broker(env):
         row = reply["tiers"][tier]
         assert row["dispatched"] == 3 and row["finished"] == 3
         assert row["wait_p99_ms"] is not None and row["run_p50_ms"] is not None
-    cli = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", "status", "--json"],
-        env={**os.environ, **env.worker_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert cli.returncode == 0, cli.stderr
-    data = json.loads(cli.stdout)
+    data = json.loads(env.prio_cli("status", "--json"))
     depths = {t: r["depth"] for t, r in data["tiers"].items()}
     assert depths == {"realtime": 0, "batch": 4, "offline": 7} == {t.label: env.depth(t) for t in (R, B, O)}
     assert data["tiers"]["realtime"]["dispatched"] == 3
     assert len(data["workers"]) == 1
-    table = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "prio", "status"],
-        env={**os.environ, **env.worker_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert "offline" in table.stdout and "dead letters" in table.stdout
+    table = env.prio_cli("status")
+    assert "offline" in table and "dead letters" in table
 
 
 def test_prometheus_endpoint_parses_with_per_tier_series(env):

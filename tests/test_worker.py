@@ -29,6 +29,18 @@ def running(env, prefix=""):
     return sum(1 for e in log if e["kind"] == "start" and e["tag"].startswith(prefix) and e["tag"] not in ended)
 
 
+def slot_time_shares(env, first_starts: int) -> dict[str, float]:
+    """Share of busy time per tier letter (R/B/O) over the window of the first N task starts."""
+    log = env.log()
+    ends = {e["tag"]: e["t"] for e in log if e["kind"] == "end"}
+    window = [e for e in log if e["kind"] == "start"][:first_starts]
+    t1 = window[-1]["t"]
+    busy = Counter()
+    for e in window:
+        busy[e["tag"][0]] += max(0.0, min(ends.get(e["tag"], t1), t1) - e["t"])
+    return {k: v / sum(busy.values()) for k, v in busy.items()}
+
+
 def backlog(env, n_rt=300, n_batch=60, n_off=30, off_seconds=0.2):
     t = tasks(env)
     for i in range(n_rt):
@@ -44,15 +56,7 @@ def test_backlogged_tiers_share_slot_time_by_weight(env):
     backlog(env)  # every tier has work from the first fetch on
     env.start_worker(concurrency=4)
     env.wait_for(lambda: len(starts(env)) >= 160, timeout=60, what="160 task starts")
-    log = env.log()
-    ends = {e["tag"]: e["t"] for e in log if e["kind"] == "end"}
-    # Measure while all three tiers are still backlogged: the first 140 starts.
-    window = [e for e in log if e["kind"] == "start"][:140]
-    t1 = window[-1]["t"]
-    busy = Counter()
-    for e in window:
-        busy[e["tag"][0]] += max(0.0, min(ends.get(e["tag"], t1), t1) - e["t"])
-    shares = {k: v / sum(busy.values()) for k, v in busy.items()}
+    shares = slot_time_shares(env, 140)  # while all three tiers are still backlogged
     assert shares["R"] == pytest.approx(8 / 11, abs=0.12), shares
     assert shares["B"] == pytest.approx(2 / 11, abs=0.08), shares
     assert shares["O"] == pytest.approx(1 / 11, abs=0.08), shares
@@ -65,15 +69,8 @@ def test_offline_floor_holds_while_realtime_could_fill_the_worker(env):
     backlog(env, n_rt=600, n_batch=0, n_off=60)
     env.start_worker(concurrency=4)
     env.wait_for(lambda: len(starts(env)) >= 330, timeout=60, what="330 task starts")
-    log = env.log()
-    ends = {e["tag"]: e["t"] for e in log if e["kind"] == "end"}
-    window = [e for e in log if e["kind"] == "start"][:300]
-    t1 = window[-1]["t"]
-    busy = Counter()
-    for e in window:
-        busy[e["tag"][0]] += max(0.0, min(ends.get(e["tag"], t1), t1) - e["t"])
-    share = busy["O"] / sum(busy.values())
-    assert 0.06 <= share <= 0.2, busy
+    shares = slot_time_shares(env, 300)
+    assert 0.06 <= shares["O"] <= 0.2, shares
 
 
 def test_realtime_starts_promptly_while_long_offline_tasks_fill_the_worker(env):
