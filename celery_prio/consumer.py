@@ -27,7 +27,13 @@ from kombu.serialization import prepare_accept_content
 
 from .aging import enqueue_age
 from .brokers.amqp import declare_tier_queues, promoted_queue
-from .brokers.redis import RESTORE_INTERVAL, RedisAdapter, report_drain_rates, restore_expired_unacked
+from .brokers.redis import (
+    RESTORE_INTERVAL,
+    RedisAdapter,
+    RedisFetcher,
+    report_drain_rates,
+    restore_expired_unacked,
+)
 from .install import settings_for
 from .metrics import serve_metrics
 from .routing import PROMOTED_HEADER
@@ -75,6 +81,7 @@ class TierFetcher:
         if self.broker == "amqp":
             self.channel = declare_tier_queues(self.channel, settings)
         self.redis = RedisAdapter(consumer.app, client=self.channel.client) if self.broker == "redis" else None
+        self.redis_fetcher = RedisFetcher(self.channel) if self.broker == "redis" else None
         self.accept = prepare_accept_content(app.conf.accept_content)
         self.queues: list[Any] = []
         self.on_message = None  # set by Celery's loop to its task handler
@@ -214,6 +221,53 @@ class TierFetcher:
             self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
             self.pump()
 
+    def _mark_empty(self, tier: Tier, now: float) -> None:
+        self._empty_at[tier] = now
+        self.scheduler.empty(tier)
+        self.stats.observe_empty(tier)
+
+    def _take(self, order: list[Tier]) -> tuple[Tier, Any] | None:
+        """The first message of the first tier in ``order`` that has one (a round trip per queue)."""
+        now = time.monotonic()
+        for tier in order:
+            # A tier found empty a moment ago is not asked again at once:
+            # on a busy worker that would double the broker round trips.
+            if now - self._empty_at[tier] < self._probe_interval:
+                continue
+            message = self._get(tier)
+            if message is not None:
+                return tier, message
+            self._mark_empty(tier, now)
+        return None
+
+    def _take_redis(self, order: list[Tier]) -> tuple[Tier, Any] | None:
+        """The same in one round trip: every queue of every tier, in order, in one script."""
+        keys: list[str] = []
+        owners: list[tuple[Tier, int]] = []
+        for tier in order:
+            queues = self._by_tier[tier]
+            start = self._rr[tier]
+            for i in range(len(queues)):
+                position = (start + i) % len(queues)
+                for key in self.redis_fetcher.keys_for(queues[position].name):
+                    keys.append(key)
+                    owners.append((tier, position))
+        self.broker_calls += 1
+        hit = self.redis_fetcher.fetch(keys)
+        now = time.monotonic()
+        found = owners[hit[0]][0] if hit else None
+        for tier in order:
+            if tier is found:
+                break
+            self._mark_empty(tier, now)
+        if hit is None:
+            return None
+        tier, position = owners[hit[0]]
+        self._rr[tier] = (position + 1) % len(self._by_tier[tier])
+        message = hit[1]
+        message.accept = self.accept
+        return tier, message
+
     def _get(self, tier: Tier) -> Any:
         """One message from ``tier`` (round robin over its queues), or None."""
         promoted = self._promoted_first.get(tier)
@@ -272,21 +326,11 @@ class TierFetcher:
             order = self.scheduler.order()
             if not order:
                 return  # no free slot: a finishing task calls pump again
-            now = time.monotonic()
-            for tier in order:
-                # A tier found empty a moment ago is not asked again at once:
-                # on a busy worker that would double the broker round trips.
-                if now - self._empty_at[tier] < self._probe_interval:
-                    continue
-                message = self._get(tier)
-                if message is not None:
-                    break
-                self._empty_at[tier] = now
-                self.scheduler.empty(tier)
-                self.stats.observe_empty(tier)
-            else:
+            taken = self._take_redis(order) if self.redis_fetcher else self._take(order)
+            if taken is None:
                 self._retry_later()
                 return
+            tier, message = taken
             self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
             self._deliver(tier, message)
         self.hub.call_soon(self.pump)

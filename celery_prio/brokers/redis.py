@@ -10,7 +10,7 @@ from ..aging import enqueue_age, plan_promotions
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .base import BrokerAdapter
-from .redis_scripts import DEAD_REQUEUE, PROMOTE, STAMP
+from .redis_scripts import DEAD_REQUEUE, FETCH, PROMOTE, STAMP
 from .redis_transport import drain_rate
 
 
@@ -150,3 +150,35 @@ def report_drain_rates(channel: Any, stats_key: str, worker: str, rates: dict[Ti
         channel.client.hset(f"{stats_key}.rates", mapping=mapping)
     except channel.connection_errors:
         pass
+
+
+class RedisFetcher:
+    """One round trip per fetch on Redis: the first message of several lists, recorded unacked.
+
+    Used by the worker instead of one ``basic_get`` per list: an empty tier
+    costs nothing extra, and the message is in kombu's unacked hash (so a
+    dead worker's message is restored) from the instant it leaves its list.
+    """
+
+    def __init__(self, channel: Any) -> None:
+        from kombu.transport import virtual
+
+        self.channel = channel
+        self._script = channel.client.register_script(FETCH)
+        self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
+
+    def keys_for(self, queue: str) -> list[str]:
+        return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
+
+    def fetch(self, keys: list[str]) -> tuple[int, Any] | None:
+        """``(index into keys, kombu Message)`` for the first non-empty key, or None."""
+        channel = self.channel
+        hit = self._script(
+            keys=[*keys, channel.unacked_key, channel.unacked_index_key], args=[time.time()], client=channel.client
+        )
+        if not hit:
+            return None
+        position, raw = hit
+        message = channel.Message(json.loads(raw), channel=channel)
+        self._local_append(channel.qos, message, message.delivery_tag)
+        return int(position) - 1, message

@@ -91,3 +91,31 @@ if redis.call('LINDEX', KEYS[1], tonumber(ARGV[1])) ~= ARGV[2] then return 0 end
 redis.call('LSET', KEYS[1], tonumber(ARGV[1]), ARGV[3])
 return 1
 """
+
+#: Take the oldest message of the first non-empty list and record it as
+#: unacked, in one round trip and atomically (kombu does RPOP, then a second
+#: call to record it: a crash in between loses the message).
+#: KEYS: the lists in preference order, then the unacked hash and index.
+#: ARGV: now. Returns {position of the list (1-based), message} or nil.
+FETCH = """
+local n = #KEYS - 2
+for i = 1, n do
+  local raw = redis.call('RPOP', KEYS[i])
+  if raw then
+    local ok, msg = pcall(cjson.decode, raw)
+    if ok and type(msg) == 'table' and type(msg['properties']) == 'table' then
+      local props = msg['properties']
+      local info = props['delivery_info']
+      if type(info) ~= 'table' then info = {} end
+      local tag = props['delivery_tag']
+      if tag then
+        redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
+        redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',' .. cjson.encode(info['exchange'] or '') .. ','
+          .. cjson.encode(info['routing_key'] or '') .. ']')
+      end
+    end
+    return {i, raw}
+  end
+end
+return nil
+"""
