@@ -181,6 +181,15 @@ def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: 
     return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
 
 
+def offline_busy(records, start_at: float, end_at: float) -> float:
+    """Slot-seconds offline tasks ran inside [start_at, end_at]."""
+    return sum(
+        min(end, end_at) - max(start, start_at)
+        for tier, _, start, end in records
+        if tier == "offline" and end > start_at and start < end_at
+    )
+
+
 def summarize(
     records, t0: float, t_end: float, cutoff: float, sent_rt: int, offline_sent: list[float], w: Workload
 ) -> dict[str, Any]:
@@ -206,11 +215,9 @@ def summarize(
         "offline": {
             "done": offline_done,
             "sent": len(offline_sent),
-            "busy_s": sum(
-                min(end, t_end) - max(start, t0)
-                for tier, _, start, end in records
-                if tier == "offline" and end > t0 and start < t_end
-            ),
+            "busy_s": offline_busy(records, t0, t_end),
+            # Progress in the second half: a tier that is starved makes none there.
+            "busy_late_s": offline_busy(records, t0 + (t_end - t0) / 2, t_end),
             "longest_wait_s": max(waits) if waits else 0.0,
             "p50_wait_s": percentile(waits, 50) if waits else 0.0,
         },
@@ -305,26 +312,27 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     mixed = {mode: run_mixed(mode, broker, w, logdir) for mode in ("fifo", "native", "prio")}
     out(
         f"{'setup':<8}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}"
-        f"{'off busy s':>11}{'off max wait s':>16}"
+        f"{'off busy s':>11}{'2nd half':>9}{'off max wait s':>16}"
     )
     for mode, m in mixed.items():
         out(
             f"{mode:<8}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
             f"{m['realtime']['done']:>6}/{m['realtime']['sent']:<3}{m['batch']['per_s']:>9.1f}"
-            f"{m['offline']['busy_s']:>11.1f}{m['offline']['longest_wait_s']:>16.1f}"
+            f"{m['offline']['busy_s']:>11.1f}{m['offline']['busy_late_s']:>9.1f}{m['offline']['longest_wait_s']:>16.1f}"
         )
     native, prio = mixed["native"], mixed["prio"]
     ratios = {
         "realtime_p99_prio_over_native": prio["realtime"]["p99_ms"] / native["realtime"]["p99_ms"],
         "realtime_p99_prio_over_fifo": prio["realtime"]["p99_ms"] / mixed["fifo"]["realtime"]["p99_ms"],
         "batch_throughput_prio_over_native": prio["batch"]["per_s"] / max(native["batch"]["per_s"], 1e-9),
-        "offline_busy_s_prio_vs_native": [prio["offline"]["busy_s"], native["offline"]["busy_s"]],
+        "offline_busy_late_s_prio_vs_native": [prio["offline"]["busy_late_s"], native["offline"]["busy_late_s"]],
     }
     out(
         f"ratios: realtime P99 prio/native = {ratios['realtime_p99_prio_over_native']:.2f} (target <= 0.4), "
         f"prio/fifo = {ratios['realtime_p99_prio_over_fifo']:.3f}; "
         f"batch throughput prio/native = {ratios['batch_throughput_prio_over_native']:.2f} (target >= 0.8); "
-        f"offline done prio {prio['offline']['done']} vs native {native['offline']['done']}"
+        f"offline slot-seconds in the second half: prio {prio['offline']['busy_late_s']:.1f} vs native "
+        f"{native['offline']['busy_late_s']:.1f}"
     )
 
     # Aging: offline work arrives faster than offline's own share drains it,
@@ -342,8 +350,16 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         f"(p50 {aging['off']['offline']['p50_wait_s']:.1f} s vs {aging['on']['offline']['p50_wait_s']:.1f} s)"
     )
 
-    drain = {mode: run_drain(mode, broker, drain_n, w.concurrency, logdir) for mode in ("fifo", "prio")}
-    drain["prio_metrics"] = run_drain("prio", broker, drain_n, w.concurrency, logdir, metrics_port=_free_port())
+    drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
+        "fifo": ("fifo", {}),
+        "prio": ("prio", {}),
+        "prio_metrics": ("prio", {"metrics_port": _free_port()}),
+    }
+    drains: dict[str, list[float]] = {name: [] for name in drain_setups}
+    for _ in range(2):  # interleaved, best of two: the machine's noise hits every setup
+        for name, (mode, options) in drain_setups.items():
+            drains[name].append(run_drain(mode, broker, drain_n, w.concurrency, logdir, **options))
+    drain = {name: max(v) for name, v in drains.items()}
     drain_ratio = drain["prio"] / drain["fifo"]
     metrics_ratio = drain["prio_metrics"] / drain["prio"]
     out(
