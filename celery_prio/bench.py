@@ -302,6 +302,18 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
     return results
 
 
+def best_of(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure) -> dict[str, float]:
+    """Best rate per setup over interleaved rounds: the machine's noise hits every setup alike."""
+    rates: dict[str, list[float]] = {name: [] for name in setups}
+    names = list(setups)
+    for round_ in range(rounds):
+        # Rotate the order each round so that no setup always runs in the same slot.
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            mode, options = setups[name]
+            rates[name].append(measure(mode, **options))
+    return {name: max(values) for name, values in rates.items()}
+
+
 def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir: Path, out=print) -> dict[str, Any]:
     kind = _broker_kind(broker)
     out(
@@ -355,11 +367,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         "prio": ("prio", {}),
         "prio_metrics": ("prio", {"metrics_port": _free_port()}),
     }
-    drains: dict[str, list[float]] = {name: [] for name in drain_setups}
-    for _ in range(2):  # interleaved, best of two: the machine's noise hits every setup
-        for name, (mode, options) in drain_setups.items():
-            drains[name].append(run_drain(mode, broker, drain_n, w.concurrency, logdir, **options))
-    drain = {name: max(v) for name, v in drains.items()}
+    drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
     drain_ratio = drain["prio"] / drain["fifo"]
     metrics_ratio = drain["prio_metrics"] / drain["prio"]
     out(
@@ -377,11 +385,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     }
     if kind == "amqp":  # RabbitMQ only reports a full reject-publish queue through confirms
         setups["plain_confirms"] = ("fifo", {"confirm": True})
-    pub: dict[str, list[float]] = {name: [] for name in setups}
-    for _ in range(3):  # interleaved, best of three: the machine's noise hits every setup
-        for name, (mode, options) in setups.items():
-            pub[name].append(run_publish(mode, broker, publish_n, logdir, **options))
-    publish = {name: max(v) for name, v in pub.items()}
+    publish = best_of(3, setups, lambda mode, **o: run_publish(mode, broker, publish_n, logdir, **o))
     publish_ratio = publish["router"] / publish["plain"]
     admission_ratio = publish["admission"] / publish["plain"]
     out(

@@ -1,0 +1,37 @@
+"""The benchmark's own arithmetic, and one short real run so it cannot rot."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_prio.bench import Workload, best_of, percentile, run_mixed, summarize
+from tests.conftest import need_broker
+
+
+def test_percentile_and_best_of():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    calls = []
+    best = best_of(2, {"a": ("fifo", {"x": 1}), "b": ("prio", {})}, lambda mode, **o: calls.append(mode) or len(calls))
+    assert calls == ["fifo", "prio", "prio", "fifo"]  # interleaved, order rotated each round
+    assert best == {"a": 4, "b": 3}
+
+
+def test_summarize_counts_unanswered_requests_at_the_cutoff():
+    w = Workload(duration=10, offline_backlog=1)
+    records = [("realtime", 0.0, 0.1, 0.2), ("batch", 0.0, 1.0, 2.0), ("offline", 1.0, 6.0, 8.0)]
+    out = summarize(records, t0=0.0, t_end=10.0, cutoff=12.0, sent_rt=2, offline_sent=[1.0, 3.0], w=w)
+    assert out["realtime"]["done"] == 1 and out["realtime"]["p99_ms"] > 11_000  # the unanswered one: 12 s
+    assert out["offline"]["longest_wait_s"] == 9.0  # the one sent at 3.0 never started: 12 - 3
+    assert out["offline"]["busy_late_s"] == 2.0  # it ran 6..8 s, inside the 5..10 s second half
+    assert out["batch"]["per_s"] == 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_a_short_mixed_run_on_redis(tmp_path):
+    need_broker("redis")
+    w = Workload(duration=2, offline_backlog=2, offline_seconds=0.5, grace=2)
+    out = run_mixed("prio", "redis://127.0.0.1:6379/14", w, tmp_path)
+    assert out["realtime"]["sent"] > 0 and out["realtime"]["done"] == out["realtime"]["sent"]
+    assert out["batch"]["done"] > 0
