@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ class GpuPinning(bootsteps.StartStopStep):
             os.environ[GPUS_ENV] = ",".join(self.gpus)  # inherited by forked children
         os.environ["CELERY_PRIO_PARENT_PID"] = str(os.getpid())
         super().__init__(worker, **options)
+
+    def stop(self, worker: Any) -> None:
+        shutil.rmtree(_devices_dir(os.getpid()), ignore_errors=True)
 
     def info(self, worker: Any) -> dict[str, Any]:
         devices = {}
