@@ -48,7 +48,7 @@ logger = get_logger(__name__)
 # short lull is picked up at once, settle at ``prio_poll_interval`` so an
 # idle worker makes a bounded number of broker calls per second.
 MIN_BACKOFF_FRACTION = 1 / 16
-PROBE_FRACTION = 1 / 10  # an empty tier is re-asked after poll_interval / 10 at the soonest
+PROBE_FRACTION = 1 / 10  # an empty queue is re-asked after poll_interval / 10 at the soonest
 AGING_TIERS = (Tier.BATCH, Tier.OFFLINE)  # batch -> realtime first, so offline -> batch finds room
 RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
 RATE_INTERVAL = 2.0  # seconds between drain-rate reports (Redis: Retry-After for publishers)
@@ -103,9 +103,9 @@ class TierFetcher:
         self.broker_calls = 0
         self._housekeeping: list[Any] = []
         self._reap_scheduled = False
-        self._empty_at: dict[Tier, float] = {t: float("-inf") for t in TIERS}
+        self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
-        self._promoted_empty_at: dict[Tier, float] = {t: float("-inf") for t in TIERS}
+        self._rate_mark: tuple[float, dict[Tier, int]] | None = None
         for queue in app.amqp.queues.consume_from.values():
             self.add_queue(queue)
 
@@ -221,8 +221,7 @@ class TierFetcher:
             self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
             self.pump()
 
-    def _mark_empty(self, tier: Tier, now: float) -> None:
-        self._empty_at[tier] = now
+    def _mark_empty(self, tier: Tier) -> None:
         self.scheduler.empty(tier)
         self.stats.observe_empty(tier)
 
@@ -230,14 +229,11 @@ class TierFetcher:
         """The first message of the first tier in ``order`` that has one (a round trip per queue)."""
         now = time.monotonic()
         for tier in order:
-            # A tier found empty a moment ago is not asked again at once:
-            # on a busy worker that would double the broker round trips.
-            if now - self._empty_at[tier] < self._probe_interval:
-                continue
-            message = self._get(tier)
+            message, asked = self._get(tier, now)
             if message is not None:
                 return tier, message
-            self._mark_empty(tier, now)
+            if asked:  # a tier whose queues were all skipped is not known to be empty
+                self._mark_empty(tier)
         return None
 
     def _take_redis(self, order: list[Tier]) -> tuple[Tier, Any] | None:
@@ -254,12 +250,11 @@ class TierFetcher:
                     owners.append((tier, position))
         self.broker_calls += 1
         hit = self.redis_fetcher.fetch(keys)
-        now = time.monotonic()
         found = owners[hit[0]][0] if hit else None
         for tier in order:
             if tier is found:
                 break
-            self._mark_empty(tier, now)
+            self._mark_empty(tier)
         if hit is None:
             return None
         tier, position = owners[hit[0]]
@@ -268,22 +263,29 @@ class TierFetcher:
         message.accept = self.accept
         return tier, message
 
-    def _get(self, tier: Tier) -> Any:
-        """One message from ``tier`` (round robin over its queues), or None."""
-        promoted = self._promoted_first.get(tier)
-        if promoted is not None and time.monotonic() - self._promoted_empty_at[tier] >= self._probe_interval:
-            message = self._basic_get(promoted)
-            if message is not None:
-                return message
-            self._promoted_empty_at[tier] = time.monotonic()
+    def _get(self, tier: Tier, now: float) -> tuple[Any, bool]:
+        """One message from ``tier``, or None; and whether any of its queues was asked.
+
+        The promoted sub-queue (RabbitMQ) goes first, then the tier's queues
+        round robin. A queue found empty a moment ago is not asked again at
+        once: on a busy worker that would double the broker round trips.
+        """
         queues = self._by_tier[tier]
         start = self._rr[tier]
-        for i in range(len(queues)):
-            message = self._basic_get(queues[(start + i) % len(queues)].name)
+        candidates = [(None, self._promoted_first[tier])] if tier in self._promoted_first else []
+        candidates += [((start + i) % len(queues), queues[(start + i) % len(queues)].name) for i in range(len(queues))]
+        asked = False
+        for position, name in candidates:
+            if now - self._empty_at.get(name, float("-inf")) < self._probe_interval:
+                continue
+            asked = True
+            message = self._basic_get(name)
             if message is not None:
-                self._rr[tier] = (start + i + 1) % len(queues)
-                return message
-        return None
+                if position is not None:
+                    self._rr[tier] = (position + 1) % len(queues)
+                return message, True
+            self._empty_at[name] = now
+        return None, asked
 
     def _basic_get(self, queue: str) -> Any:
         self.broker_calls += 1
@@ -297,8 +299,8 @@ class TierFetcher:
     def _deliver(self, tier: Tier, message: Any) -> None:
         if message.errors:
             try:
-                message._reraise_error()
-            except Exception as exc:
+                message._reraise_error()  # kombu keeps the decode error on the message
+            except Exception as exc:  # handed to Celery's own handler, which logs and acks
                 self.c.on_decode_error(message, exc)
             return
         headers = message.headers or {}
@@ -349,7 +351,7 @@ class TierFetcher:
     def _report_rates(self) -> None:
         now = time.monotonic()
         counts = {t: st.dispatched for t, st in self.scheduler.tiers.items()}
-        last_at, last = getattr(self, "_rate_mark", (now, counts))
+        last_at, last = self._rate_mark or (now, counts)
         self._rate_mark = (now, counts)
         if now > last_at:
             rates = {t: (counts[t] - last[t]) / (now - last_at) for t in TIERS}
