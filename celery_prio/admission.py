@@ -20,8 +20,6 @@ from .errors import QueueFull
 from .settings import PrioSettings
 from .tiers import Tier
 
-DEFAULT_RETRY_AFTER = 1.0
-
 #: The tier the router picked for the publish in flight on this thread.
 last_route = threading.local()
 
@@ -77,4 +75,4 @@ def _queue_full_amqp(app: Any, settings: PrioSettings, tier: Tier) -> QueueFull:
         rate = adapter.drain_rate(settings, tier)
     finally:
         adapter.close()
-    return QueueFull(tier, depth, 1.0 / rate if rate > 0 else DEFAULT_RETRY_AFTER)
+    return QueueFull.from_drain_rate(tier, depth, rate)

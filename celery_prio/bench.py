@@ -34,7 +34,7 @@ import redis
 from .benchapp import NATIVE_PRIORITY, make_app
 from .brokers import adapter_for
 from .tiers import Tier
-from .workers import WorkerProcess
+from .workers import WorkerProcess, free_port
 
 BROKER_URLS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
 RECORD_URL = "redis://127.0.0.1:6379/14"
@@ -70,14 +70,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _broker_kind(url: str) -> str:
@@ -365,7 +357,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
         "fifo": ("fifo", {}),
         "prio": ("prio", {}),
-        "prio_metrics": ("prio", {"metrics_port": _free_port()}),
+        "prio_metrics": ("prio", {"metrics_port": free_port()}),
     }
     drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
     drain_ratio = drain["prio"] / drain["fifo"]

@@ -17,6 +17,8 @@ class QueueFull(Exception):
     """
 
     status_code = 429
+    #: Seconds suggested when no drain rate is known yet (no worker reported one).
+    default_retry_after = 1.0
 
     def __init__(self, tier: Tier, waiting: int | None, retry_after: float) -> None:
         self.tier = tier
@@ -24,3 +26,8 @@ class QueueFull(Exception):
         self.retry_after = max(0.0, float(retry_after))
         count = "" if waiting is None else f" ({waiting} waiting)"
         super().__init__(f"{tier.label} tier is full{count}; retry after {self.retry_after:.1f} s")
+
+    @classmethod
+    def from_drain_rate(cls, tier: Tier, waiting: int | None, rate: float) -> QueueFull:
+        """Retry after the time one message takes to leave a tier draining at ``rate`` per second."""
+        return cls(tier, waiting, 1.0 / rate if rate > 0 else cls.default_retry_after)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ import urllib.request
 import pytest
 
 from celery_prio.tiers import Tier
+from celery_prio.workers import free_port
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fill(env):

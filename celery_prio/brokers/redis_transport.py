@@ -17,8 +17,6 @@ from ..errors import QueueFull
 from ..tiers import parse_tier
 from .redis_scripts import GUARDED_PUSH
 
-DEFAULT_RETRY_AFTER = 1.0  # seconds, when no worker has reported a drain rate yet
-
 
 class Channel(kombu_redis.Channel):
     _guarded_push = None
@@ -41,13 +39,8 @@ class Channel(kombu_redis.Channel):
                 client=client,
             )
             if not accepted:
-                raise QueueFull(parse_tier(tier), int(depth), retry_after_for(client, options, tier, depth))
-
-
-def retry_after_for(client: Any, options: dict, tier: str, depth: int) -> float:
-    """Seconds until the tier has room, from the drain rates workers report."""
-    rate = drain_rate(client, options["prio_stats_key"], tier)
-    return DEFAULT_RETRY_AFTER if rate <= 0 else max(0.0, 1.0 / rate)
+                rate = drain_rate(client, options["prio_stats_key"], tier)
+                raise QueueFull.from_drain_rate(parse_tier(tier), int(depth), rate)
 
 
 RATE_FRESH_FOR = 10.0  # seconds a worker's reported rate counts
