@@ -91,6 +91,11 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
         use_capped_redis_transport()
+        if (app.conf.broker_url or "").startswith("sentinel://"):
+            logger.warning(
+                "celery-prio: prio_max_length is not enforced on sentinel:// brokers "
+                "(kombu's Sentinel transport keeps its own publish)"
+            )
         options["prio_caps"] = {
             settings.queue_name(t): [cap, settings.overflow[t], t.label]
             for t, cap in settings.max_length.items()
