@@ -67,12 +67,7 @@ def _declare_amqp(app: Any, settings: PrioSettings) -> None:
 
 
 def _queue_full_amqp(app: Any, settings: PrioSettings, tier: Tier) -> QueueFull:
-    from .brokers.amqp import AmqpAdapter
+    from .brokers.amqp import refusal_figures
 
-    adapter = AmqpAdapter(app)
-    try:
-        depth = adapter.depth(settings.queue_name(tier))
-        rate = adapter.drain_rate(settings, tier)
-    finally:
-        adapter.close()
+    depth, rate = refusal_figures(app, settings, tier)
     return QueueFull.from_drain_rate(tier, depth, rate)

@@ -1,9 +1,11 @@
 """Aging: a task that waited past its tier's threshold moves one tier up.
 
-Waiting counts from the enqueue stamp the router adds (``prio_enqueued_at``);
-a message published without ``install()`` carries none and counts from when
-an ager first sees it (it gets stamped then). A promoted message keeps its
-original stamp and lists the tiers it left in ``prio_promoted_from``.
+Waiting counts from the enqueue stamp the router adds (``prio_enqueued_at``).
+A message without a usable stamp (published without ``install()``, or by a
+producer that wrote ``NaN``, ``true``, a string, or a time in the future)
+counts from when an ager first sees it: it is (re)stamped then. A promoted
+message keeps its original stamp and lists the tiers it left in
+``prio_promoted_from``.
 
 How it stays lossless, per broker:
 
@@ -11,9 +13,13 @@ How it stays lossless, per broker:
   seconds, whatever its ``-Q``. A pass reads the oldest end of a tier list,
   decides here (pure code, below) which messages are due, and hands them to
   an atomic Lua script that moves each one only if it is still the oldest
-  element it saw. Concurrent agers therefore never move one message twice,
-  and a worker killed mid-pass leaves each message either moved or not
-  moved. The cost is proportional to the number promoted, not queue length.
+  element it saw, into the upper tier's ``.promoted`` list (served first by
+  that tier's workers, oldest first). Concurrent agers therefore never move
+  one message twice, and a worker killed mid-pass leaves each message either
+  moved or not moved. The cost is proportional to the number promoted, not
+  to the queue length. An element at the oldest end that is not a message
+  at all is moved to the dead letters with its reason, so it cannot stop
+  aging of the messages behind it.
 * **RabbitMQ** — the broker itself ages: each tier queue has
   ``x-message-ttl`` = its threshold and a dead-letter headers exchange that
   sends expired messages to the tier above (``brokers/amqp``). No worker
@@ -23,56 +29,74 @@ How it stays lossless, per broker:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .routing import ENQUEUED_HEADER, PROMOTED_HEADER
+from .headers import ENQUEUED_HEADER, PROMOTED_HEADER
 from .tiers import Tier
+from .untrusted import decode_redis_element, valid_stamp
 
 
 @dataclass
 class PromotionPlan:
-    """What one look at a tier's oldest messages decided."""
+    """What one look at a window of a tier's oldest messages decided."""
 
     originals: list[bytes] = field(default_factory=list)  # due, oldest first, as stored
     rewritten: list[str] = field(default_factory=list)  # the same, re-addressed to the upper tier
-    stamp: tuple[int, bytes, str] | None = None  # (index from the oldest end, original, stamped)
+    #: (index from the oldest end, original, stamped) for every message whose stamp is missing or unusable
+    stamps: list[tuple[int, bytes, str]] = field(default_factory=list)
+    #: (original, reason): the oldest element is not a message; it goes to the dead letters
+    dead_head: tuple[bytes, str] | None = None
 
 
 def plan_promotions(
-    oldest_first: list[bytes], tier: Tier, upper_queue: str, threshold: float, now: float
+    oldest_first: list[bytes],
+    tier: Tier,
+    upper_queue: str,
+    threshold: float,
+    now: float,
+    *,
+    offset: int = 0,
 ) -> PromotionPlan:
-    """Pure: which of a tier's oldest messages are due for promotion.
+    """Pure: which of a tier's oldest messages are due, and which need a stamp.
 
-    Only a run of due messages at the oldest end moves: the first message
-    that is not due yet ends the plan, so a pass never reaches deeper than
-    the messages it promotes. An unstamped message ends it too, and gets
-    stamped with ``now`` (its wait starts when celery-prio first sees it).
+    ``oldest_first`` is a window of the list starting ``offset`` elements from
+    the oldest end. Only a run of due messages at the very oldest end
+    (``offset == 0``) moves: the first message that is not due ends it, so a
+    pass never promotes past a message that waited less. Every message of the
+    window without a usable stamp is stamped with ``now`` (one script call),
+    whether or not the run reached it, so a backlog published without stamps
+    starts its wait at once instead of one message per threshold.
     """
     plan = PromotionPlan()
+    running = offset == 0
     for index, raw in enumerate(oldest_first):
-        try:
-            message = json.loads(raw)
-            headers = message.setdefault("headers", {})
-        except (ValueError, AttributeError):
-            break  # not a kombu message: leave it for the worker to reject
-        stamp = headers.get(ENQUEUED_HEADER)
-        if not isinstance(stamp, (int, float)):
+        message, problem = decode_redis_element(raw)
+        if problem is not None:
+            if index == 0 and offset == 0:
+                plan.dead_head = (raw, problem)
+                return plan  # the pass moves it aside, then looks again
+            running = False  # the fetch (or a later pass, once it is the head) dead-letters it
+            continue
+        headers = message.get("headers")
+        if not isinstance(headers, dict):
+            headers = message["headers"] = {}
+        stamp = valid_stamp(headers.get(ENQUEUED_HEADER))
+        if stamp is None or stamp > now:
             headers[ENQUEUED_HEADER] = now
-            plan.stamp = (index, raw, json.dumps(message))
-            break
-        if now - stamp < threshold:
-            break
-        headers[PROMOTED_HEADER] = [*headers.get(PROMOTED_HEADER, []), tier.label]
-        delivery = message.setdefault("properties", {}).setdefault("delivery_info", {})
-        # A later restore (worker died holding it) must go to the new queue.
-        delivery["exchange"] = upper_queue
-        delivery["routing_key"] = upper_queue
+            plan.stamps.append((offset + index, raw, json.dumps(message)))
+            running = False
+            continue
+        if not running or now - stamp < threshold:
+            running = False
+            continue
+        history = headers.get(PROMOTED_HEADER)
+        headers[PROMOTED_HEADER] = [*(history if isinstance(history, list) else []), tier.label]
+        props = message["properties"]
+        if not isinstance(props.get("delivery_info"), Mapping):
+            props["delivery_info"] = {}
+        # Addressed to the upper tier's promoted list itself (anonymous exchange).
+        props["delivery_info"] = {**props["delivery_info"], "exchange": "", "routing_key": upper_queue}
         plan.originals.append(raw)
         plan.rewritten.append(json.dumps(message))
     return plan
-
-
-def enqueue_age(headers: dict | None, now: float) -> float | None:
-    """Seconds since a message was first enqueued, from its stamp (None if unstamped)."""
-    stamp = (headers or {}).get(ENQUEUED_HEADER)
-    return now - stamp if isinstance(stamp, (int, float)) else None

@@ -1,8 +1,8 @@
 """``celery -A app prio ...``: operations on the tier queues.
 
 celery -A app prio status [--json]          depth, dead letters and counters per tier
-celery -A app prio dead list [--limit N]    messages evicted by drop_oldest
-celery -A app prio dead requeue [--limit N] put them back (stops at a full tier)
+celery -A app prio dead list [--limit N]    evicted (drop_oldest) and malformed/unrunnable messages
+celery -A app prio dead requeue [--limit N] put them back (stops at a full tier; only to tier queues)
 celery -A app prio dead purge               delete them
 """
 
@@ -111,7 +111,7 @@ def status(ctx, as_json: bool, watch: float | None):
 
 @prio.group()
 def dead():
-    """Messages evicted from a full drop_oldest tier."""
+    """Messages evicted from a full drop_oldest tier, and messages a worker could not run (with the reason)."""
 
 
 @dead.command("list", cls=CeleryCommand)
@@ -139,10 +139,15 @@ def dead_list(ctx, limit: int, as_json: bool):
 def dead_requeue(ctx, limit: int | None):
     _, settings, adapter = _context(ctx)
     try:
-        moved, left = adapter.dead_requeue(settings, limit)
+        moved, left, skipped = adapter.dead_requeue(settings, limit)
     finally:
         adapter.close()
     click.echo(f"requeued {moved}; {left} left in {settings.dead_letter_queue}")
+    if skipped:
+        click.echo(
+            f"skipped {skipped}: malformed, or not addressed to a tier queue of this app "
+            f"(left in {settings.dead_letter_queue}; see 'dead list')"
+        )
 
 
 @dead.command("purge", cls=CeleryCommand)

@@ -25,8 +25,7 @@ from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 from kombu.serialization import prepare_accept_content
 
-from .aging import enqueue_age
-from .brokers.amqp import declare_tier_queues, promoted_queue
+from .brokers.amqp import AmqpFetcher, declare_tier_queues, promoted_queue
 from .brokers.redis import (
     RESTORE_INTERVAL,
     RedisAdapter,
@@ -34,13 +33,14 @@ from .brokers.redis import (
     report_drain_rates,
     restore_expired_unacked,
 )
-from .install import settings_for
+from .headers import PROMOTED_HEADER
+from .install import check_task_tiers, settings_for
 from .metrics import serve_metrics
-from .routing import PROMOTED_HEADER
 from .scheduler import TierScheduler
 from .settings import PrioSettings
 from .stats import WorkerStats
 from .tiers import TIERS, Tier
+from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 
 logger = get_logger(__name__)
 
@@ -81,7 +81,9 @@ class TierFetcher:
         if self.broker == "amqp":
             self.channel = declare_tier_queues(self.channel, settings)
         self.redis = RedisAdapter(consumer.app, client=self.channel.client) if self.broker == "redis" else None
-        self.redis_fetcher = RedisFetcher(self.channel) if self.broker == "redis" else None
+        self.redis_fetcher = RedisFetcher(self.channel, settings) if self.broker == "redis" else None
+        # Whatever the broker: the one that can copy a message to the dead letters.
+        self.source = self.redis_fetcher or AmqpFetcher(self.channel, settings)
         self.accept = prepare_accept_content(app.conf.accept_content)
         self.queues: list[Any] = []
         self.on_message = None  # set by Celery's loop to its task handler
@@ -173,12 +175,12 @@ class TierFetcher:
     def _update_served(self) -> None:
         self._by_tier = {t: [q for q in self.queues if self.tier_of_queue(q.name) is t] for t in TIERS}
         self.scheduler.set_served(t for t, qs in self._by_tier.items() if qs)
-        # RabbitMQ delivers promoted messages to a sub-queue that goes first.
+        # Aging delivers promoted messages to a sub-queue of the upper tier
+        # that goes first (oldest first), on both brokers.
         self._promoted_first = {
             lower.promoted(): promoted_queue(self.settings, lower.promoted())
             for lower in AGING_TIERS
-            if self.broker == "amqp"
-            and self.settings.aging[lower] is not None
+            if self.settings.aging[lower] is not None
             and any(q.name == self.settings.queue_name(lower.promoted()) for q in self._by_tier[lower.promoted()])
         }
 
@@ -237,10 +239,17 @@ class TierFetcher:
         return None
 
     def _take_redis(self, order: list[Tier]) -> tuple[Tier, Any] | None:
-        """The same in one round trip: every queue of every tier, in order, in one script."""
+        """The same in one round trip: every queue of every tier, in order, in one script.
+
+        Returns ``(tier, None)`` when the script only moved malformed
+        elements to the dead letters: the caller asks again.
+        """
         keys: list[str] = []
-        owners: list[tuple[Tier, int]] = []
+        owners: list[tuple[Tier, int | None]] = []
         for tier in order:
+            if tier in self._promoted_first:
+                keys.append(self._promoted_first[tier])
+                owners.append((tier, None))
             queues = self._by_tier[tier]
             start = self._rr[tier]
             for i in range(len(queues)):
@@ -249,7 +258,9 @@ class TierFetcher:
                     keys.append(key)
                     owners.append((tier, position))
         self.broker_calls += 1
-        hit = self.redis_fetcher.fetch(keys)
+        hit = self.redis_fetcher.fetch(keys, [tier for tier, _ in owners])
+        if hit is not None and hit[1] is None:
+            return order[0], None
         found = owners[hit[0]][0] if hit else None
         for tier in order:
             if tier is found:
@@ -258,7 +269,8 @@ class TierFetcher:
         if hit is None:
             return None
         tier, position = owners[hit[0]]
-        self._rr[tier] = (position + 1) % len(self._by_tier[tier])
+        if position is not None:
+            self._rr[tier] = (position + 1) % len(self._by_tier[tier])
         message = hit[1]
         message.accept = self.accept
         return tier, message
@@ -280,6 +292,8 @@ class TierFetcher:
                 continue
             asked = True
             message = self._basic_get(name)
+            while message is self.DEAD_LETTERED:  # a malformed one went to the dead letters: the next
+                message = self._basic_get(name)
             if message is not None:
                 if position is not None:
                     self._rr[tier] = (position + 1) % len(queues)
@@ -287,31 +301,50 @@ class TierFetcher:
             self._empty_at[name] = now
         return None, asked
 
+    DEAD_LETTERED = object()  # _basic_get: one was taken and moved to the dead letters
+
     def _basic_get(self, queue: str) -> Any:
         self.broker_calls += 1
-        raw = self.channel.basic_get(queue=queue, no_ack=False)
-        if raw is None:
-            return None
-        message = self.channel.message_to_python(raw)
+        took, message = self.source.get(queue)
+        if message is None:
+            return self.DEAD_LETTERED if took else None
         message.accept = self.accept
         return message
 
+    def dead_letter(self, message: Any, reason: str) -> None:
+        """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""
+        tier = self._fetching
+        if tier is None:
+            tier = self.tier_of_queue(getattr(message, "prio_queue", "") or "")
+        self.source.dead_letter(message, reason, tier)
+
     def _deliver(self, tier: Tier, message: Any) -> None:
-        if message.errors:
-            try:
-                message._reraise_error()  # kombu keeps the decode error on the message
-            except Exception as exc:  # handed to Celery's own handler, which logs and acks
-                self.c.on_decode_error(message, exc)
-            return
-        headers = message.headers or {}
-        now = time.time()
-        promoted = PROMOTED_HEADER in headers or any(
-            d.get("reason") == "expired" for d in headers.get("x-death") or () if isinstance(d, dict)
-        )
-        self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
+        """Hand one message to Celery; anything that cannot run goes to the dead letters, never up the stack."""
         self._fetching = tier
         try:
-            self.on_message(message)
+            if message.errors:
+                try:
+                    message._reraise_error()  # kombu keeps the decode error on the message
+                except Exception as exc:  # Celery's handler (ours, below) dead-letters it and acks
+                    self.c.on_decode_error(message, exc)
+                return
+            problem = headers_problem(message.headers)
+            if problem is not None:
+                logger.error("celery-prio: %s", problem)
+                self.dead_letter(message, problem)
+                message.ack()
+                return
+            headers = message.headers or {}
+            now = time.time()
+            promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
+            self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
+            try:
+                self.on_message(message)
+            except Exception as exc:  # Celery's handler let it through: still never lost, never fatal
+                logger.exception("celery-prio: could not hand a message to Celery")
+                if not message.acknowledged:
+                    self.dead_letter(message, f"delivery failed: {exc!r}"[:500])
+                    message.ack()
         finally:
             self._fetching = None
 
@@ -322,8 +355,19 @@ class TierFetcher:
             self._timer = None
         if not self.active or self.on_message is None:
             return
+        try:
+            self._fill_slots()
+        except self.c.connection_errors:
+            raise  # Celery's consumer reconnects and builds a new fetcher
+        except Exception:
+            # Whatever went wrong, the loop goes on: a fetcher that stops
+            # pumping is a worker that answers ping and runs nothing.
+            logger.exception("celery-prio: fetch failed; retrying")
+            self._retry_later()
+
+    def _fill_slots(self) -> None:
         # Bounded per turn: messages that do not take a slot (ETA, rate
-        # limited, rejected) must not keep the event loop here.
+        # limited, rejected, dead-lettered) must not keep the event loop here.
         for _ in range(2 * self.scheduler.concurrency + 2):
             order = self.scheduler.order()
             if not order:
@@ -334,7 +378,8 @@ class TierFetcher:
                 return
             tier, message = taken
             self._backoff = self.settings.poll_interval * MIN_BACKOFF_FRACTION
-            self._deliver(tier, message)
+            if message is not None:
+                self._deliver(tier, message)
         self.hub.call_soon(self.pump)
 
     def _retry_later(self) -> None:
@@ -345,8 +390,11 @@ class TierFetcher:
     def _age(self) -> None:
         """One aging pass (Redis; RabbitMQ ages by itself). Every worker runs it, whatever its -Q."""
         now = time.time()
-        for tier in AGING_TIERS:
-            self.redis.promote_aged(self.settings, tier, now)
+        try:
+            for tier in AGING_TIERS:
+                self.redis.promote_aged(self.settings, tier, now)
+        except Exception:  # housekeeping must never stop the worker; the next pass retries
+            logger.exception("celery-prio: aging pass failed")
 
     def _report_rates(self) -> None:
         now = time.monotonic()
@@ -355,7 +403,10 @@ class TierFetcher:
         self._rate_mark = (now, counts)
         if now > last_at:
             rates = {t: (counts[t] - last[t]) / (now - last_at) for t in TIERS}
-            report_drain_rates(self.channel, self.settings.stats_key, self.c.hostname, rates)
+            try:
+                report_drain_rates(self.channel, self.settings.stats_key, self.c.hostname, rates)
+            except Exception:
+                logger.exception("celery-prio: could not report drain rates")
 
     # -- reporting -----------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -409,6 +460,7 @@ class PrioTasks(bootsteps.StartStopStep):
 
     def start(self, c: Consumer) -> None:
         settings = settings_for(c.app)
+        check_task_tiers(c.app)  # a task with a bogus tier stops the worker here, loudly
         fetcher = TierFetcher(c, settings)
         c.update_strategies()
         # Celery's ETA path bumps ``c.qos``; with basic_get there is no
@@ -467,6 +519,31 @@ class PrioConsumer(Consumer):
             "celery.worker.consumer.consumer:Evloop",
             "celery.worker.consumer.agent:Agent",
         ]
+
+    # Celery's handlers for messages it cannot run log, then ack or reject
+    # (drop) them. Here they first copy the message to the dead letters with
+    # the reason, so a bad message is kept as data and never redelivered
+    # into a crash loop.
+    def _dead_letter(self, message: Any, reason: str) -> None:
+        fetcher = self.task_consumer
+        if isinstance(fetcher, TierFetcher) and not message.acknowledged:
+            fetcher.dead_letter(message, reason[:500])
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        self._dead_letter(message, "unknown message format (neither task protocol 1 nor 2)")
+        super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        self._dead_letter(message, f"unregistered task: {exc}")
+        super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        self._dead_letter(message, f"invalid task: {exc!r}")
+        super().on_invalid_task(body, message, exc)
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        self._dead_letter(message, f"cannot decode: {exc!r}")
+        super().on_decode_error(message, exc)
 
     def __init__(self, on_task_request: Any, *args: Any, pool: Any = None, **kwargs: Any) -> None:
         def on_task_request_tracked(request: Any) -> Any:

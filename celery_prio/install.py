@@ -10,6 +10,7 @@ from kombu import Connection
 
 from . import control  # noqa: F401 - registers `celery inspect prio_stats`
 from .admission import guard_send_task
+from .errors import ConfigError
 from .routing import make_router, register_tier_queues, stamp_enqueue_time, tier_queues
 from .settings import DEFAULTS, PrioSettings, load_settings
 from .tiers import parse_tier
@@ -114,7 +115,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
 
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
-    app.on_after_finalize.connect(_check_task_tiers, weak=False)
+    app.on_after_finalize.connect(_log_task_tier_errors, weak=False)
     return settings
 
 
@@ -127,15 +128,24 @@ def settings_for(app: Celery) -> PrioSettings:
     return cached
 
 
-def _check_task_tiers(sender: Celery, **_: Any) -> None:
-    """Fail at start-up, not at first call, when a task declares a bogus tier."""
-    for name, task in sender.tasks.items():
+def check_task_tiers(app: Celery) -> None:
+    """Every task's ``tier`` attribute must name a tier: checked at worker start (``ConfigError``)."""
+    for name, task in app.tasks.items():
         tier = getattr(task, "tier", None)
         if tier is not None:
             try:
                 parse_tier(tier)
             except ValueError as exc:
-                raise ValueError(f"task {name!r}: {exc}") from None
+                raise ConfigError(f"task {name!r}: {exc}") from None
+
+
+def _log_task_tier_errors(sender: Celery, **_: Any) -> None:
+    # Celery's signal dispatcher swallows exceptions; this only says it early.
+    # The worker refuses to start in check_task_tiers.
+    try:
+        check_task_tiers(sender)
+    except ConfigError as exc:
+        logger.error("celery-prio: %s", exc)
 
 
 __all__ = ["DEFAULTS", "install", "settings_for"]

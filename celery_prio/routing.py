@@ -15,14 +15,9 @@ from typing import Any
 from kombu import Exchange, Queue
 
 from .admission import last_route
+from .headers import ENQUEUED_HEADER
 from .settings import PrioSettings
 from .tiers import TIERS, Tier, parse_tier
-
-#: Header carrying the wall-clock time (epoch seconds) a message was first
-#: published. Queue wait and aging are measured from it; aging keeps it.
-ENQUEUED_HEADER = "prio_enqueued_at"
-#: Header listing the tiers a message was promoted from, oldest first.
-PROMOTED_HEADER = "prio_promoted_from"
 
 # Tier queue names of every installed app in this process; the publish hook
 # stamps only messages bound for them.

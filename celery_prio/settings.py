@@ -7,6 +7,7 @@ offending value. Per-tier settings accept a dict keyed by any tier alias.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ SCHEDULER_MODES = ("time", "count")
 DEFAULTS: dict[str, Any] = {
     "weights": {"realtime": 8, "batch": 2, "offline": 1},
     "reserve": None,  # None = 1 slot when concurrency >= 2, else 0
-    "min_share": 5,  # offline dispatches per 100 while it has work
+    "min_share": 5,  # offline's floor while it has work: per cent of slot time (count mode: dispatches per 100)
     "aging": {"realtime": None, "batch": 1800, "offline": 1800},
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
     "overflow": {"realtime": "reject", "batch": "reject", "offline": "drop_oldest"},
@@ -34,6 +35,8 @@ DEFAULTS: dict[str, Any] = {
     "aging_interval": 1.0,
     "metrics_port": None,  # serve Prometheus /metrics from each worker on this port (off by default)
     "metrics_host": "127.0.0.1",
+    # RabbitMQ management API for Retry-After (None: the broker's host, https on 15671 for amqps://)
+    "management_url": None,
 }
 
 
@@ -78,6 +81,7 @@ class PrioSettings:
     aging_interval: float
     metrics_port: int | None
     metrics_host: str
+    management_url: str | None
 
     def queue_name(self, tier: Tier) -> str:
         return f"{self.queue_prefix}.{tier.label}"
@@ -132,8 +136,30 @@ class PrioSettings:
 SETTING_NAMES = tuple(DEFAULTS)
 
 
+def _config_keys(conf: Mapping[str, Any]) -> list[Any]:
+    """Every key a Celery config holds (its changes and defaults), or a plain mapping's keys."""
+    try:
+        return list(conf.keys())
+    except Exception:
+        return []
+
+
+def _unknown_setting(name: str) -> ConfigError:
+    key = name.removeprefix("prio_")
+    close = difflib.get_close_matches(key, SETTING_NAMES, n=1)
+    hint = f"did you mean 'prio_{close[0]}'? " if close else ""
+    return ConfigError(f"unknown celery-prio setting {name!r}; {hint}known settings: {', '.join(SETTING_NAMES)}")
+
+
 def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> PrioSettings:
-    """Read ``prio_*`` keys from a Celery config (plus ``install()`` overrides)."""
+    """Read ``prio_*`` keys from a Celery config (plus ``install()`` overrides).
+
+    A ``prio_`` key that is not a setting is refused with the nearest valid
+    name: a misspelt cap or threshold must not silently fall back to its default.
+    """
+    for key in _config_keys(conf):
+        if isinstance(key, str) and key.lower().startswith("prio_") and key.lower()[5:] not in DEFAULTS:
+            raise _unknown_setting(key)
     raw = dict(DEFAULTS)
     for name in DEFAULTS:
         value = conf.get(f"prio_{name}")
@@ -142,7 +168,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     for name, value in (overrides or {}).items():
         key = name.removeprefix("prio_")
         if key not in DEFAULTS:
-            raise ConfigError(f"unknown celery-prio setting {name!r}; known settings: {', '.join(SETTING_NAMES)}")
+            raise _unknown_setting(name)
         raw[key] = value
 
     weights = {
@@ -154,11 +180,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         raise ConfigError(f"prio_reserve must be a whole number >= 0 or None, got {reserve!r}")
     min_share = _number("min_share", raw["min_share"], minimum=0)
     if min_share > 100:
-        raise ConfigError(f"prio_min_share is dispatches per 100 (0..100), got {min_share!r}")
+        raise ConfigError(f"prio_min_share is a percentage (0..100), got {min_share!r}")
 
     aging: dict[Tier, float | None] = {}
     for t, v in _per_tier("aging", raw["aging"], DEFAULTS["aging"]).items():
-        aging[t] = None if v is None or t is Tier.REALTIME else _number("aging", v, minimum=0)
+        seconds = None if v is None else _number(f"aging[{t.label}]", v, minimum=0)
+        aging[t] = None if t is Tier.REALTIME else seconds  # realtime has no tier above it
 
     max_length: dict[Tier, int | None] = {}
     for t, v in _per_tier("max_length", raw["max_length"], DEFAULTS["max_length"]).items():
@@ -196,6 +223,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     if not isinstance(raw["metrics_host"], str) or not raw["metrics_host"]:
         raise ConfigError(f"prio_metrics_host must be a host name or address, got {raw['metrics_host']!r}")
 
+    management_url = raw["management_url"]
+    if management_url is not None and (
+        not isinstance(management_url, str) or not management_url.startswith(("http://", "https://"))
+    ):
+        raise ConfigError(f"prio_management_url must be an http:// or https:// URL or None, got {management_url!r}")
+
     if raw["scheduler"] not in SCHEDULER_MODES:
         raise ConfigError(f"prio_scheduler must be one of {SCHEDULER_MODES}, got {raw['scheduler']!r}")
 
@@ -214,6 +247,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         aging_interval=_number("aging_interval", raw["aging_interval"], minimum=0, inclusive=False),
         metrics_port=port,
         metrics_host=raw["metrics_host"],
+        management_url=management_url,
     )
 
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from celery_prio.aging import plan_promotions
-from celery_prio.routing import ENQUEUED_HEADER, PROMOTED_HEADER
+from celery_prio.headers import ENQUEUED_HEADER, PROMOTED_HEADER
 from celery_prio.tiers import Tier
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
@@ -23,7 +23,10 @@ def kombu_message(stamp: float | None, task_id: str = "x") -> bytes:
         {
             "body": "",
             "headers": headers,
-            "properties": {"delivery_info": {"exchange": "p.offline", "routing_key": "p.offline"}},
+            "properties": {
+                "delivery_tag": f"tag-{task_id}",
+                "delivery_info": {"exchange": "p.offline", "routing_key": "p.offline"},
+            },
         }
     ).encode()
 
@@ -31,28 +34,63 @@ def kombu_message(stamp: float | None, task_id: str = "x") -> bytes:
 def test_plan_promotes_only_the_due_run_at_the_oldest_end():
     now = 1000.0
     tail = [kombu_message(10, "a"), kombu_message(20, "b"), kombu_message(990, "c"), kombu_message(5, "d")]
-    plan = plan_promotions(tail, O, "p.batch", threshold=60, now=now)
+    plan = plan_promotions(tail, O, "p.batch.promoted", threshold=60, now=now)
     assert plan.originals == tail[:2]  # "d" is due too, but sits behind a message that is not
     moved = [json.loads(m) for m in plan.rewritten]
     assert [m["headers"]["id"] for m in moved] == ["a", "b"]
     assert moved[0]["headers"][ENQUEUED_HEADER] == 10  # original stamp kept
     assert moved[0]["headers"][PROMOTED_HEADER] == ["offline"]
-    assert moved[0]["properties"]["delivery_info"] == {"exchange": "p.batch", "routing_key": "p.batch"}
+    # Addressed to the promoted list itself: a restore after a crash goes there.
+    assert moved[0]["properties"]["delivery_info"] == {"exchange": "", "routing_key": "p.batch.promoted"}
     assert moved[0]["headers"]["timelimit"] == [None, None]  # structure survives the rewrite
-    assert plan.stamp is None
+    assert plan.stamps == [] and plan.dead_head is None
 
 
-def test_plan_stamps_an_unstamped_message_on_first_sight():
-    unstamped = kombu_message(None, "u")
-    plan = plan_promotions([unstamped], O, "p.batch", threshold=0, now=50.0)
+def test_plan_stamps_every_unstamped_message_of_the_window_at_once():
+    window = [kombu_message(None, "u1"), kombu_message(None, "u2"), kombu_message(5, "s"), kombu_message(None, "u3")]
+    plan = plan_promotions(window, O, "p.batch.promoted", threshold=0, now=50.0)
     assert plan.originals == []
-    index, original, stamped = plan.stamp
-    assert (index, original) == (0, unstamped)
-    assert json.loads(stamped)["headers"][ENQUEUED_HEADER] == 50.0
+    assert [(i, raw) for i, raw, _ in plan.stamps] == [(0, window[0]), (1, window[1]), (3, window[3])]
+    assert all(json.loads(stamped)["headers"][ENQUEUED_HEADER] == 50.0 for _, _, stamped in plan.stamps)
 
 
-def test_plan_leaves_garbage_alone():
-    assert plan_promotions([b"not json"], O, "p.batch", 0, 1.0).originals == []
+@pytest.mark.parametrize(
+    "stamp", [float("inf"), float("-inf"), float("nan"), True, False, "1700000000", None, [1], {"t": 1}, 1e12]
+)
+def test_unusable_or_future_stamps_restart_the_wait_now(stamp):
+    """NaN/true/strings used to promote at once; +inf and future stamps used to block the tier for ever."""
+    raw = json.loads(kombu_message(None, "x"))
+    raw["headers"][ENQUEUED_HEADER] = stamp
+    raw = json.dumps(raw).encode()
+    due_behind = kombu_message(1.0, "due")
+    plan = plan_promotions([raw, due_behind], O, "p.batch.promoted", threshold=60, now=1000.0)
+    assert plan.originals == []  # not due: its wait starts now
+    assert [i for i, _, _ in plan.stamps] == [0]
+    assert json.loads(plan.stamps[0][2])["headers"][ENQUEUED_HEADER] == 1000.0
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'"a string"',
+        b"{}",
+        b'{"properties": {}}',
+        b'{"properties": {"delivery_tag": "t"}, "headers": []}',
+    ],
+)
+def test_a_head_that_is_not_a_message_is_sent_to_the_dead_letters(garbage):
+    plan = plan_promotions([garbage, kombu_message(1.0, "due")], O, "p.batch.promoted", 60, 1000.0)
+    assert plan.dead_head is not None and plan.dead_head[0] == garbage and plan.dead_head[1].startswith("malformed")
+    assert plan.originals == []
+
+
+def test_garbage_deeper_in_the_window_ends_the_due_run_but_not_the_stamping():
+    window = [kombu_message(1.0, "due"), b"garbage", kombu_message(2.0, "due2"), kombu_message(None, "u")]
+    plan = plan_promotions(window, O, "p.batch.promoted", 60, 1000.0)
+    assert plan.originals == window[:1]
+    assert [i for i, _, _ in plan.stamps] == [3]
 
 
 @pytest.mark.slow
@@ -125,8 +163,8 @@ def test_two_workers_ageing_one_backlog_promote_each_message_exactly_once(env):
         w.wait_ready()
     env.wait_for(lambda: env.depth(O) == 0, timeout=90, what="the offline backlog to age out")
     time.sleep(0.5)
-    # RabbitMQ delivers promoted messages to the tier's ".promoted" sub-queue.
-    promoted = drain_ids(env, env.queue(B) + (".promoted" if env.kind == "amqp" else ""))
+    # Both brokers deliver promoted messages to the tier's ".promoted" sub-queue.
+    promoted = drain_ids(env, env.queue(B) + ".promoted")
     assert len(promoted) == len(set(promoted)) == 10_000
     assert set(promoted) == ids
 
@@ -137,10 +175,11 @@ def test_worker_killed_mid_promotion_loses_nothing_and_duplicates_nothing(redis_
     env.configure(aging={"offline": 1, "batch": None}, aging_interval=0.01)
     ids = clone_backlog(env, 20_000, stamp=time.time() - 5)
     worker = env.start_worker(concurrency=1, queues=[env.queue(R)])
-    env.wait_for(lambda: env.depth(B) > 0, timeout=30, what="promotion to start")
+    promoted_queue = env.queue(B) + ".promoted"
+    env.wait_for(lambda: env.adapter.depth(promoted_queue) > 0, timeout=30, what="promotion to start")
     worker.kill()  # SIGKILL in the middle of the passes
-    in_offline, in_batch = env.depth(O), env.depth(B)
+    in_offline, in_batch = env.depth(O), env.adapter.depth(promoted_queue)
     assert in_batch > 0 and in_offline + in_batch == 20_000, (in_offline, in_batch)
-    promoted, left = drain_ids(env, env.queue(B)), drain_ids(env, env.queue(O))
+    promoted, left = drain_ids(env, promoted_queue), drain_ids(env, env.queue(O))
     assert len(set(promoted) | set(left)) == len(promoted) + len(left) == 20_000
     assert set(promoted) | set(left) == ids

@@ -7,6 +7,7 @@ from celery import Celery
 
 import celery_prio
 from celery_prio import ConfigError, Tier, parse_tier
+from celery_prio.install import check_task_tiers
 from celery_prio.settings import load_settings
 
 
@@ -58,9 +59,12 @@ def test_per_tier_dicts_accept_aliases_and_merge_over_defaults():
         ({"weights": {"urgent": 3}}, r"prio_weights: unknown tier 'urgent'"),
         ({"weights": [8, 2, 1]}, r"prio_weights must be a dict keyed by tier"),
         ({"reserve": -1}, r"prio_reserve must be a whole number >= 0"),
-        ({"min_share": 101}, r"prio_min_share is dispatches per 100"),
-        ({"aging": {"offline": -5}}, r"prio_aging must be a number >= 0, got -5"),
-        ({"aging": {"batch": "soon"}}, r"prio_aging must be a number >= 0, got 'soon'"),
+        ({"min_share": 101}, r"prio_min_share is a percentage"),
+        ({"aging": {"offline": -5}}, r"prio_aging\[offline\] must be a number >= 0, got -5"),
+        ({"aging": {"batch": "soon"}}, r"prio_aging\[batch\] must be a number >= 0, got 'soon'"),
+        ({"aging": {"realtime": -5}}, r"prio_aging\[realtime\] must be a number >= 0, got -5"),
+        ({"aging": {"offline": float("nan")}}, r"prio_aging\[offline\] must be a number >= 0"),
+        ({"management_url": "15672"}, r"prio_management_url must be an http:// or https:// URL"),
         ({"max_length": {"realtime": 0}}, r"prio_max_length\[realtime\] must be an int >= 1"),
         ({"overflow": {"offline": "drop_newest"}}, r"prio_overflow\[offline\] must be one of"),
         ({"queue_prefix": ""}, r"prio_queue_prefix must be a non-empty string"),
@@ -68,7 +72,7 @@ def test_per_tier_dicts_accept_aliases_and_merge_over_defaults():
         ({"routes": {"app.*": "p9"}}, r"prio_routes\['app.\*'\]: unknown tier 'p9'"),
         ({"scheduler": "fifo"}, r"prio_scheduler must be one of"),
         ({"poll_interval": 0}, r"prio_poll_interval must be a number > 0"),
-        ({"wieghts": {}}, r"unknown celery-prio setting 'wieghts'"),
+        ({"wieghts": {}}, r"unknown celery-prio setting 'wieghts'; did you mean 'prio_weights'\?"),
     ],
 )
 def test_bad_settings_name_the_setting_and_value(overrides, message):
@@ -81,6 +85,33 @@ def test_bad_setting_in_celery_conf_fails_at_install():
     app.conf.prio_weights = {"realtime": 0}
     with pytest.raises(ConfigError, match="prio_weights"):
         celery_prio.install(app)
+
+
+def test_misspelt_prio_key_in_celery_conf_names_the_nearest_setting():
+    app = Celery("t", set_as_current=False)
+    app.conf.prio_max_lenght = {"realtime": 5}
+    with pytest.raises(
+        ConfigError, match=r"unknown celery-prio setting 'prio_max_lenght'; did you mean 'prio_max_length'"
+    ):
+        celery_prio.install(app)
+
+
+def test_realtime_aging_is_accepted_but_never_applies():
+    assert load_settings({}, {"aging": {"realtime": 30}}).aging[Tier.REALTIME] is None
+
+
+def test_a_task_with_a_bogus_tier_is_refused_by_the_worker_check():
+    app = Celery("t", broker="redis://127.0.0.1:6379/13", set_as_current=False)
+    celery_prio.install(app)
+
+    @app.task(shared=False, name="t.bogus", tier="nope")
+    def bogus():
+        return None
+
+    with pytest.raises(
+        ConfigError, match=r"task 't.bogus': unknown tier 'nope'; valid tiers: realtime\|batch\|offline"
+    ):
+        check_task_tiers(app)
 
 
 def test_reserve_must_be_below_concurrency():

@@ -10,18 +10,20 @@ dead-lettered into the tier above. See ``queue_arguments``.
 
 from __future__ import annotations
 
-import json
 import logging
-import urllib.parse
-import urllib.request
-from base64 import b64encode
+import threading
+import time
 from typing import Any
 
+import amqp
 from amqp.exceptions import NotFound, PreconditionFailed
 from kombu import Exchange, Queue
 
+from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER, PROMOTED_SUFFIX
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
+from ..untrusted import death_records
+from .amqp_management import management_client
 from .base import BrokerAdapter
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ def promoted_queue(settings: PrioSettings, tier: Tier) -> str:
     message would wait behind the whole backlog it already outwaited. Workers
     serving ``tier`` take from this sub-queue first.
     """
-    return f"{settings.queue_name(tier)}.promoted"
+    return settings.queue_name(tier) + PROMOTED_SUFFIX
 
 
 def aging_ttl(settings: PrioSettings, tier: Tier) -> int | None:
@@ -184,78 +186,160 @@ class AmqpAdapter(BrokerAdapter):
                 message = channel.basic_get(queue=settings.dead_letter_queue, no_ack=False)
                 if message is None:
                     break
-                out.append(describe_dead(message.headers or {}, message.properties))
+                out.append(describe_dead(message.properties.get("application_headers")))
             return out
         finally:
             channel.close()  # unacked messages go back to the queue, in order
 
-    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int]:
-        """Publish dead messages back to their tier (with confirms), then ack them."""
-        moved = 0
+    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int, int]:
+        """Publish dead messages back to their tier (with confirms), then ack them: ``(moved, left, skipped)``.
+
+        Only this app's tier queues (and their promoted sub-queues) are
+        destinations; an entry naming anything else, or none, is skipped and
+        stays in the dead-letter queue (held until the end of the pass, so it
+        is not fetched again, then given back in order).
+        """
+        allowed = {settings.queue_name(t) for t in TIERS} | {settings.queue_name(t) + PROMOTED_SUFFIX for t in TIERS}
+        moved = skipped = 0
         with self.app.connection_for_write() as conn:
-            conn.transport_options["confirm_publish"] = True
             channel = conn.channel()
-            channel.confirm_select()
             before = channel.queue_declare(queue=settings.dead_letter_queue, passive=True).message_count
-            while limit is None or moved < limit:
+            for _ in range(before):
+                if limit is not None and moved >= limit:
+                    break
                 raw = channel.basic_get(queue=settings.dead_letter_queue, no_ack=False)
                 if raw is None:
                     break
-                origin = (raw.headers or {}).get("x-death", [{}])[0].get("queue")
-                tier = settings.tier_for_queue(origin or "")
-                cap = settings.max_length[tier] if tier is not None else None
+                headers = raw.properties.get("application_headers")
+                origin = dead_origin(headers)
+                if origin not in allowed:
+                    skipped += 1  # held unacked: back in the queue when the channel closes
+                    continue
+                tier = settings.tier_for_queue(origin)
+                cap = settings.max_length[tier] if tier is not None and origin == settings.queue_name(tier) else None
                 # A drop-head tier never refuses: publishing into a full one
                 # would just evict another message into this queue. Stop at full.
-                if not origin or (
-                    cap is not None and channel.queue_declare(queue=origin, passive=True).message_count >= cap
-                ):
-                    channel.basic_reject(raw.delivery_tag, requeue=True)
+                if cap is not None and channel.queue_declare(queue=origin, passive=True).message_count >= cap:
                     break
                 # A fresh start in its tier: without the old death headers the
                 # tier's dead-letter routes judge its next death, not its last.
-                headers = raw.properties.get("application_headers") or {}
-                for key in [k for k in headers if k == "x-death" or k.startswith("x-first-death")]:
-                    del headers[key]
+                fresh = {k: v for k, v in (headers or {}).items() if not _death_annotation(k)}
+                raw.properties["application_headers"] = fresh
                 try:
-                    channel.basic_publish(raw, exchange="", routing_key=origin)
+                    channel.basic_publish_confirm(raw, exchange="", routing_key=origin)
                 except Exception:  # nacked: the tier is full again
-                    channel.basic_reject(raw.delivery_tag, requeue=True)
                     break
                 channel.basic_ack(raw.delivery_tag)
                 moved += 1
-            channel.close()
-        return moved, before - moved
+            channel.close()  # whatever is still unacked (skipped, or the one refused) goes back, in order
+        return moved, before - moved, skipped
 
     def dead_purge(self, settings: PrioSettings) -> int:
         return int(self._channel().queue_purge(queue=settings.dead_letter_queue) or 0)
 
     def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
         """Messages/s leaving the tier queue, from the management API (0 if unknown)."""
-        info = self.connection.info()
-        host = info.get("hostname") or "localhost"
-        vhost = info.get("virtual_host") or "/"
-        url = f"http://{host}:15672/api/queues/{urllib.parse.quote(vhost, safe='')}/{settings.queue_name(tier)}"
-        request = urllib.request.Request(url)
-        token = b64encode(f"{info.get('userid') or 'guest'}:{info.get('password') or 'guest'}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-        try:
-            with urllib.request.urlopen(request, timeout=0.3) as response:
-                stats = json.load(response).get("message_stats") or {}
-        except Exception:
-            return 0.0
-        return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
+        return tier_drain_rate(self.app, settings, tier)
 
     def close(self) -> None:
         self.connection.release()
 
 
-def describe_dead(headers: dict[str, Any], properties: dict[str, Any] | None = None) -> dict[str, Any]:
-    death = (headers.get("x-death") or [{}])[0]
-    when = death.get("time")
+_refusal_lock = threading.Lock()
+
+
+def refusal_figures(app: Any, settings: PrioSettings, tier: Tier) -> tuple[int | None, float]:
+    """Depth and drain rate of a tier that just refused a publish, for ``QueueFull``.
+
+    One adapter (one AMQP connection) is kept per app for this, and one
+    management client per endpoint: a burst of refusals opens nothing new.
+    """
+    with _refusal_lock:
+        adapter = app.__dict__.get("_celery_prio_refusal_adapter")
+        try:
+            if adapter is None:
+                adapter = app._celery_prio_refusal_adapter = AmqpAdapter(app)
+            depth: int | None = adapter.depth(settings.queue_name(tier))
+        except Exception as exc:  # the refusal itself must still reach the caller
+            logger.warning("celery-prio: could not read the depth of %s: %r", settings.queue_name(tier), exc)
+            app._celery_prio_refusal_adapter = None
+            depth = None
+    return depth, tier_drain_rate(app, settings, tier)
+
+
+def tier_drain_rate(app: Any, settings: PrioSettings, tier: Tier) -> float:
+    return management_client(app, settings).drain_rate(settings.queue_name(tier))
+
+
+def _death_annotation(key: Any) -> bool:
+    return isinstance(key, str) and (key == "x-death" or key.startswith(("x-first-death", "prio_dead_")))
+
+
+def dead_origin(headers: Any) -> str | None:
+    """The queue a dead letter came from: our own annotation first, else RabbitMQ's ``x-death``."""
+    if not isinstance(headers, dict):
+        return None
+    origin = headers.get(DEAD_QUEUE)
+    if origin is None:
+        deaths = death_records(headers)
+        origin = deaths[0].get("queue") if deaths else None
+    return origin if isinstance(origin, str) else None
+
+
+def describe_dead(headers: Any) -> dict[str, Any]:
+    """One dead letter as ``dead list`` shows it; never raises on odd headers."""
+    if not isinstance(headers, dict):
+        headers = {}
+    deaths = death_records(headers)
+    death = deaths[0] if deaths else {}
+    reason = headers.get(DEAD_REASON) or death.get("reason")
+    when = headers.get(DEAD_AT) or death.get("time")
+    when = when.timestamp() if hasattr(when, "timestamp") else when
+    text = lambda v: v if isinstance(v, str) else None  # noqa: E731
     return {
-        "id": headers.get("id"),
-        "task": headers.get("task"),
-        "reason": "drop_oldest" if death.get("reason") == "maxlen" else death.get("reason"),
-        "queue": death.get("queue"),
-        "at": when.timestamp() if hasattr(when, "timestamp") else when,
+        "id": text(headers.get("id")),
+        "task": text(headers.get("task")),
+        "reason": "drop_oldest" if reason == "maxlen" else text(reason) or "unknown",
+        "queue": dead_origin(headers),
+        "at": when if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
     }
+
+
+class AmqpFetcher:
+    """``basic_get`` for the worker, guarded: what cannot be read goes to the dead letters, never into Celery."""
+
+    def __init__(self, channel: Any, settings: PrioSettings) -> None:
+        self.channel = channel
+        self.settings = settings
+
+    def get(self, queue: str) -> tuple[bool, Any]:
+        """``(took, message)``: ``(False, None)`` empty; ``(True, None)`` one was dead-lettered, ask again."""
+        raw = self.channel.basic_get(queue=queue, no_ack=False)
+        if raw is None:
+            return False, None
+        try:
+            message = self.channel.message_to_python(raw)
+        except Exception as exc:
+            self._publish_dead(raw.body, raw.properties, f"malformed: kombu cannot read it ({exc!r})", queue, None)
+            self.channel.basic_ack(raw.delivery_tag)
+            return True, None
+        message.prio_queue = queue
+        return True, message
+
+    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+        """Copy a fetched message to the dead letters (confirmed); the caller then acks or rejects it."""
+        self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
+
+    def _publish_dead(self, body: Any, properties: dict, reason: str, queue: str, tier: Tier | None) -> None:
+        logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
+        props = dict(properties or {})
+        headers = props.get("application_headers")
+        headers = dict(headers) if isinstance(headers, dict) else {}
+        headers.update({DEAD_REASON: reason, DEAD_QUEUE: queue, DEAD_AT: time.time()})
+        if tier is not None:
+            headers[DEAD_TIER] = tier.label
+        props.update(application_headers=headers, delivery_mode=2)
+        # Confirmed before the caller settles the original: never lost, at worst copied twice.
+        self.channel.basic_publish_confirm(
+            amqp.Message(body, **props), exchange="", routing_key=self.settings.dead_letter_queue
+        )

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
-from ..aging import enqueue_age, plan_promotions
+from ..aging import plan_promotions
+from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
+from ..untrusted import decode_redis_element, enqueue_age
 from .base import BrokerAdapter
-from .redis_scripts import DEAD_REQUEUE, FETCH, PROMOTE, STAMP
+from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, PROMOTE, STAMP
 from .redis_transport import drain_rate
+
+logger = logging.getLogger(__name__)
+
+#: How many of the oldest elements one aging look reads (and may stamp).
+AGING_WINDOW = 100
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class RedisAdapter(BrokerAdapter):
@@ -27,6 +39,9 @@ class RedisAdapter(BrokerAdapter):
         self.client = client
         self._promote = self.client.register_script(PROMOTE)
         self._stamp = self.client.register_script(STAMP)
+        self._dead_head = self.client.register_script(DEAD_HEAD)
+        # Per source list: how deep the stamping look has reached beyond the head window.
+        self._stamp_cursor: dict[str, int] = {}
 
     def depth(self, queue: str) -> int:
         return int(self.client.llen(queue))
@@ -37,39 +52,36 @@ class RedisAdapter(BrokerAdapter):
 
     # -- capacity bookkeeping -----------------------------------------------
     def counters(self, settings: PrioSettings) -> dict[str, int]:
-        raw = self.client.hgetall(settings.stats_key)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        """Broker-wide counters; a field that is not a whole number is skipped, not fatal."""
+        out = {}
+        for key, value in self.client.hgetall(settings.stats_key).items():
+            try:
+                out[_text(key)] = int(value)
+            except ValueError:
+                continue
+        return out
 
     def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
         return drain_rate(self.client, settings.stats_key, tier.label)
 
     # -- dead letters -------------------------------------------------------
     def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
-        out = []
-        for raw in reversed(self.client.lrange(settings.dead_letter_queue, -limit, -1)):
-            entry = json.loads(raw)
-            message = json.loads(entry["message"])
-            headers = entry["headers"]
-            out.append(
-                {
-                    "id": message.get("headers", {}).get("id"),
-                    "task": message.get("headers", {}).get("task"),
-                    "reason": headers["prio_dead_reason"],
-                    "queue": headers["prio_dead_queue"],
-                    "at": headers["prio_dead_at"],
-                }
-            )
-        return out
+        """Oldest first. An entry that is not a dead-letter envelope is listed as malformed."""
+        return [
+            describe_dead_entry(raw) for raw in reversed(self.client.lrange(settings.dead_letter_queue, -limit, -1))
+        ]
 
-    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int]:
+    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int, int]:
+        """Back to their tiers: ``(moved, left, skipped)``. Only this app's tier queues are destinations."""
         caps: list[Any] = []
         for tier in TIERS:
             cap = settings.max_length[tier]
-            caps += [settings.queue_name(tier), cap if cap is not None else 2**62]
-        moved, left = self.client.eval(
+            caps += [settings.queue_name(tier), cap if cap is not None else -1]
+            caps += [settings.queue_name(tier) + PROMOTED_SUFFIX, -1]
+        moved, left, skipped = self.client.eval(
             DEAD_REQUEUE, 1, settings.dead_letter_queue, limit if limit is not None else 2**62, *caps
         )
-        return int(moved), int(left)
+        return int(moved), int(left), int(skipped)
 
     def dead_purge(self, settings: PrioSettings) -> int:
         with self.client.pipeline() as pipe:
@@ -79,49 +91,91 @@ class RedisAdapter(BrokerAdapter):
         return int(count)
 
     # -- aging --------------------------------------------------------------
-    def promote_aged(self, settings: PrioSettings, tier: Tier, now: float, batch: int = 100) -> int:
-        """Move ``tier``'s due messages one tier up; returns how many moved."""
+    def promote_aged(self, settings: PrioSettings, tier: Tier, now: float, batch: int = AGING_WINDOW) -> int:
+        """Move ``tier``'s due messages into the upper tier's promoted list; returns how many moved."""
         threshold = settings.aging[tier]
         if threshold is None or tier is Tier.REALTIME:
             return 0
-        source, upper = settings.queue_name(tier), settings.queue_name(tier.promoted())
+        source = settings.queue_name(tier)
+        upper = settings.queue_name(tier.promoted())
+        promoted = upper + PROMOTED_SUFFIX
         cap = settings.max_length[tier.promoted()]
         moved = 0
-        while True:
+        for _ in range(10_000):  # bounded: a pass ends even if producers outpace it
             oldest_first = self.client.lrange(source, -batch, -1)[::-1]
-            plan = plan_promotions(oldest_first, tier, upper, threshold, now)
-            if plan.originals:
-                n = len(plan.originals)
-                done = int(
-                    self._promote(
-                        keys=[source, upper, settings.stats_key],
-                        args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
-                    )
+            plan = plan_promotions(oldest_first, tier, promoted, threshold, now)
+            if plan.dead_head is not None:
+                raw, reason = plan.dead_head
+                self._dead_head(
+                    keys=[source, settings.dead_letter_queue, settings.stats_key],
+                    args=[raw, reason, tier.label, now],
                 )
-                moved += done
-                if done < n:
-                    break  # another ager got there first, or the upper tier is full
-                if n == len(oldest_first) == batch:
-                    continue  # the whole window was due: look at the next one
-            if plan.stamp is not None and not plan.originals:
-                index, original, stamped = plan.stamp
-                self._stamp(keys=[source], args=[-1 - index, original, stamped])
-            break
+                continue
+            if plan.stamps:
+                self._stamp_all(source, plan.stamps)
+            if not plan.originals:
+                if not plan.stamps and len(oldest_first) == batch:
+                    self._stamp_deeper(source, tier, now, batch)
+                break
+            n = len(plan.originals)
+            done = int(
+                self._promote(
+                    keys=[source, promoted, upper, settings.stats_key],
+                    args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
+                )
+            )
+            moved += done
+            if done < n or n < len(oldest_first) or len(oldest_first) < batch:
+                break  # another ager got there first, the upper tier is full, or the due run ended
         return moved
 
+    def _stamp_all(self, source: str, stamps: list[tuple[int, bytes, str]]) -> None:
+        args: list[Any] = []
+        for index, original, stamped in stamps:
+            args += [-1 - index, original, stamped]
+        self._stamp(keys=[source], args=args)
+
+    def _stamp_deeper(self, source: str, tier: Tier, now: float, batch: int) -> None:
+        """Stamp one more window behind the head, a window per pass, so a deep unstamped backlog starts aging."""
+        offset = self._stamp_cursor.get(source, batch)
+        window = self.client.lrange(source, -(offset + batch), -(offset + 1))[::-1]
+        plan = plan_promotions(window, tier, "", float("inf"), now, offset=offset)
+        if plan.stamps:
+            self._stamp_all(source, plan.stamps)
+        self._stamp_cursor[source] = offset + batch if len(window) == batch else batch
+
     def oldest_age(self, queue: str, now: float) -> float | None:
-        """Seconds the oldest waiting message of ``queue`` has waited (None if empty/unstamped)."""
+        """Seconds the oldest waiting message of ``queue`` has waited (None if empty, unstamped or malformed)."""
         raw = self.client.lindex(queue, -1)
         if raw is None:
             return None
-        try:
-            return enqueue_age(json.loads(raw).get("headers"), now)
-        except ValueError:
-            return None
+        message, _ = decode_redis_element(raw)
+        return None if message is None else enqueue_age(message.get("headers"), now)
 
     def close(self) -> None:
         if self.connection is not None:
             self.connection.release()
+
+
+def describe_dead_entry(raw: bytes) -> dict[str, Any]:
+    """One dead-letter list element as ``dead list`` shows it; never raises."""
+    try:
+        entry = json.loads(raw)
+        headers, message = entry["headers"], entry["message"]
+        reason, queue, at = headers[DEAD_REASON], headers[DEAD_QUEUE], headers.get(DEAD_AT)
+    except (ValueError, TypeError, KeyError):
+        return {"id": None, "task": None, "reason": "malformed dead-letter entry", "queue": None, "at": None}
+    task_id = task = None
+    inner, _ = decode_redis_element(message) if isinstance(message, str) else (None, None)
+    if inner is not None and isinstance(inner.get("headers"), dict):
+        task_id, task = inner["headers"].get("id"), inner["headers"].get("task")
+    return {
+        "id": task_id if isinstance(task_id, str) else None,
+        "task": task if isinstance(task, str) else None,
+        "reason": str(reason),
+        "queue": str(queue),
+        "at": at if isinstance(at, (int, float)) and not isinstance(at, bool) else None,
+    }
 
 
 #: How often a worker returns messages whose consumer died (unacked for longer
@@ -158,27 +212,85 @@ class RedisFetcher:
     Used by the worker instead of one ``basic_get`` per list: an empty tier
     costs nothing extra, and the message is in kombu's unacked hash (so a
     dead worker's message is restored) from the instant it leaves its list.
+    Elements that are not kombu messages are moved to the dead letters by
+    the same script, with their reason; they never reach Celery.
     """
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: Any, settings: PrioSettings) -> None:
         from kombu.transport import virtual
 
         self.channel = channel
+        self.settings = settings
         self._script = channel.client.register_script(FETCH)
+        self._dead_letter = channel.client.register_script(DEAD_LETTER)
         self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
 
     def keys_for(self, queue: str) -> list[str]:
         return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
 
-    def fetch(self, keys: list[str]) -> tuple[int, Any] | None:
-        """``(index into keys, kombu Message)`` for the first non-empty key, or None."""
+    def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
+        """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
+
+        ``(index, None)`` means elements were dead-lettered and nothing is
+        delivered yet: ask again. ``tiers[i]`` is the tier of ``keys[i]``.
+        """
         channel = self.channel
         hit = self._script(
-            keys=[*keys, channel.unacked_key, channel.unacked_index_key], args=[time.time()], client=channel.client
+            keys=[
+                *keys,
+                channel.unacked_key,
+                channel.unacked_index_key,
+                self.settings.dead_letter_queue,
+                self.settings.stats_key,
+            ],
+            args=[time.time(), *(t.label for t in tiers)],
+            client=channel.client,
         )
         if not hit:
             return None
         position, raw = hit
-        message = channel.Message(json.loads(raw), channel=channel)
+        position = int(position) - 1
+        if position < 0:
+            logger.error("celery-prio: moved %s malformed element(s) to %s", raw, self.settings.dead_letter_queue)
+            return -1, None
+        payload, problem = decode_redis_element(raw)
+        message = None
+        if problem is None:
+            try:
+                message = channel.Message(payload, channel=channel)
+            except Exception as exc:  # e.g. a body that is not valid base64
+                problem = f"malformed: kombu cannot read it ({exc!r})"
+        if message is None:
+            tag = payload["properties"]["delivery_tag"] if payload else self._tag_of(raw)
+            self._dead_letter_raw(raw, problem or "malformed", tiers[position], keys[position], tag)
+            return position, None
+        message.prio_raw = raw  # dead-lettering later keeps the element exactly as it was
+        message.prio_queue = keys[position]
         self._local_append(channel.qos, message, message.delivery_tag)
-        return int(position) - 1, message
+        return position, message
+
+    @staticmethod
+    def _tag_of(raw: Any) -> str:
+        try:
+            tag = json.loads(raw)["properties"]["delivery_tag"]
+        except Exception:
+            return ""
+        return tag if isinstance(tag, str) else ""
+
+    def _dead_letter_raw(self, raw: Any, reason: str, tier: Tier, queue: str, tag: str) -> None:
+        logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
+        channel = self.channel
+        self._dead_letter(
+            keys=[
+                self.settings.dead_letter_queue,
+                channel.unacked_key,
+                channel.unacked_index_key,
+                self.settings.stats_key,
+            ],
+            args=[raw, reason, tier.label, time.time(), queue, tag],
+            client=channel.client,
+        )
+
+    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+        """Copy a fetched message, untouched, to the dead letters; the caller then acks or rejects it."""
+        self._dead_letter_raw(message.prio_raw, reason, tier, getattr(message, "prio_queue", ""), "")

@@ -1,16 +1,33 @@
-"""Lua scripts that make capacity and dead-lettering atomic on Redis.
+"""Lua scripts that make capacity, fetching, aging and dead-lettering atomic on Redis.
 
 Tier lists follow kombu: LPUSH adds on the left, consumers RPOP the oldest on
 the right. A dead-letter entry is a JSON envelope around the untouched
-original message, so that requeueing gives Celery back exactly what it sent.
+original element (whatever it was), so that requeueing gives Celery back
+exactly what it sent and a malformed element is kept as evidence.
+
+A Redis script is not rolled back when a command fails half-way: every
+script here writes the copy before it removes the original, so an error
+can duplicate an entry into the dead list but never lose one.
 """
 
 from __future__ import annotations
 
+#: Shared by the scripts below: wrap one element for the dead-letter list.
+DEAD_ENTRY = """
+local function dead_entry(raw, reason, tier, now, queue)
+  return cjson.encode({
+    headers = {prio_dead_reason = reason, prio_dead_tier = tier,
+               prio_dead_at = tonumber(now), prio_dead_queue = queue},
+    message = raw})
+end
+"""
+
 #: KEYS: tier list, dead list, stats hash.
 #: ARGV: message, cap, policy, tier label, now (epoch s).
 #: Returns {accepted (1/0), depth after (or depth seen when refused)}.
-GUARDED_PUSH = """
+GUARDED_PUSH = (
+    DEAD_ENTRY
+    + """
 local n = redis.call('LLEN', KEYS[1])
 local cap = tonumber(ARGV[2])
 if n < cap then
@@ -23,13 +40,10 @@ if ARGV[3] ~= 'drop_oldest' then
 end
 local evicted = 0
 while n >= cap do
-  local old = redis.call('RPOP', KEYS[1])
+  local old = redis.call('LINDEX', KEYS[1], -1)
   if not old then break end
-  local envelope = cjson.encode({
-    headers = {prio_dead_reason = 'drop_oldest', prio_dead_tier = ARGV[4],
-               prio_dead_at = tonumber(ARGV[5]), prio_dead_queue = KEYS[1]},
-    message = old})
-  redis.call('LPUSH', KEYS[2], envelope)
+  redis.call('LPUSH', KEYS[2], dead_entry(old, 'drop_oldest', ARGV[4], ARGV[5], KEYS[1]))
+  redis.call('RPOP', KEYS[1])
   evicted = evicted + 1
   n = n - 1
 end
@@ -37,33 +51,50 @@ redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[4], evicted)
 redis.call('LPUSH', KEYS[1], ARGV[1])
 return {1, n + 1}
 """
+)
 
-#: Move up to ARGV[1] dead entries (oldest first) back to their tier lists,
-#: stopping at a full tier. KEYS: dead list. ARGV: count, then pairs of
-#: (queue name, cap) for every tier queue. Returns {moved, left}.
+#: Move up to ARGV[1] dead entries (oldest first) back to their tier lists.
+#: Only queues named in ARGV are destinations (the app's tier and promoted
+#: queues): an entry is data, never a routing instruction. An entry that is
+#: malformed or names another destination is skipped (rotated to the newest
+#: end, so nothing is lost and the pass moves on); a full tier stops the pass.
+#: KEYS: dead list. ARGV: limit, then pairs of (queue name, cap) for every
+#: allowed destination. Returns {moved, left, skipped}.
 DEAD_REQUEUE = """
 local caps = {}
 for i = 2, #ARGV, 2 do caps[ARGV[i]] = tonumber(ARGV[i + 1]) end
-local moved = 0
+local moved, skipped = 0, 0
 local limit = tonumber(ARGV[1])
-while moved < limit do
+local budget = redis.call('LLEN', KEYS[1])  -- each entry is looked at once
+while moved < limit and budget > 0 do
   local raw = redis.call('LINDEX', KEYS[1], -1)
   if not raw then break end
-  local entry = cjson.decode(raw)
-  local queue = entry['headers']['prio_dead_queue']
-  local cap = caps[queue]
-  if cap and redis.call('LLEN', queue) >= cap then break end
-  redis.call('RPOP', KEYS[1])
-  redis.call('LPUSH', queue, entry['message'])
-  moved = moved + 1
+  budget = budget - 1
+  local ok, entry = pcall(cjson.decode, raw)
+  local queue, message = nil, nil
+  if ok and type(entry) == 'table' and type(entry['headers']) == 'table' then
+    queue, message = entry['headers']['prio_dead_queue'], entry['message']
+  end
+  if type(queue) ~= 'string' or type(message) ~= 'string' or caps[queue] == nil
+     or (redis.call('TYPE', queue)['ok'] ~= 'list' and redis.call('TYPE', queue)['ok'] ~= 'none') then
+    redis.call('LMOVE', KEYS[1], KEYS[1], 'RIGHT', 'LEFT')
+    skipped = skipped + 1
+  else
+    if caps[queue] >= 0 and redis.call('LLEN', queue) >= caps[queue] then break end
+    redis.call('LPUSH', queue, message)
+    redis.call('RPOP', KEYS[1])
+    moved = moved + 1
+  end
 end
-return {moved, redis.call('LLEN', KEYS[1])}
+return {moved, redis.call('LLEN', KEYS[1]), skipped}
 """
 
-#: Move aged messages from the oldest end of a lower tier list to the oldest
-#: end of the upper one, each only if it is still where the ager saw it (so
+#: Move aged messages from the oldest end of a lower tier list to the upper
+#: tier's promoted list, each only if it is still where the ager saw it (so
 #: two agers never move one message twice) and while the upper tier has room.
-#: KEYS: source list, destination list, stats hash.
+#: The promoted list is FIFO like a tier list (LPUSH in, RPOP out), so
+#: promoted messages are served oldest first across passes.
+#: KEYS: source list, promoted list, upper tier list, stats hash.
 #: ARGV: destination cap (-1 = none), source tier label, n, n originals
 #: (oldest first), n rewritten copies. Returns the number moved.
 PROMOTE = """
@@ -72,50 +103,116 @@ local n = tonumber(ARGV[3])
 local moved = 0
 for i = 1, n do
   if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[3 + i] then break end
-  if cap >= 0 and redis.call('LLEN', KEYS[2]) + moved >= cap then break end
+  if cap >= 0 and redis.call('LLEN', KEYS[2]) + redis.call('LLEN', KEYS[3]) >= cap then break end
+  redis.call('LPUSH', KEYS[2], ARGV[3 + n + i])
   redis.call('RPOP', KEYS[1])
   moved = moved + 1
 end
--- RPUSH the newest first so that the oldest ends up at the consuming end.
-for i = moved, 1, -1 do
-  redis.call('RPUSH', KEYS[2], ARGV[3 + n + i])
-end
-if moved > 0 then redis.call('HINCRBY', KEYS[3], 'promoted:' .. ARGV[2], moved) end
+if moved > 0 then redis.call('HINCRBY', KEYS[4], 'promoted:' .. ARGV[2], moved) end
 return moved
 """
 
-#: Compare-and-set one list element (stamping a message nobody stamped).
-#: KEYS: list. ARGV: index, expected, replacement. Returns 1 if set.
+#: Compare-and-set several list elements (stamping messages nobody stamped,
+#: or whose stamp is unusable). KEYS: list. ARGV: triples of (index,
+#: expected, replacement). Returns how many were set.
 STAMP = """
-if redis.call('LINDEX', KEYS[1], tonumber(ARGV[1])) ~= ARGV[2] then return 0 end
-redis.call('LSET', KEYS[1], tonumber(ARGV[1]), ARGV[3])
+local set = 0
+for i = 1, #ARGV, 3 do
+  local index = tonumber(ARGV[i])
+  if redis.call('LINDEX', KEYS[1], index) == ARGV[i + 1] then
+    redis.call('LSET', KEYS[1], index, ARGV[i + 2])
+    set = set + 1
+  end
+end
+return set
+"""
+
+#: Move the oldest element of a list to the dead list if it is still the one
+#: seen (aging found it unusable). KEYS: list, dead list, stats hash.
+#: ARGV: expected element, reason, tier label, now. Returns 1 if moved.
+DEAD_HEAD = (
+    DEAD_ENTRY
+    + """
+if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return 0 end
+redis.call('LPUSH', KEYS[2], dead_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[1]))
+redis.call('RPOP', KEYS[1])
+redis.call('HINCRBY', KEYS[3], 'malformed:' .. ARGV[3], 1)
 return 1
 """
+)
+
+#: Dead-letter a message a worker fetched but cannot run, and forget it as
+#: unacked, atomically. KEYS: dead list, unacked hash, unacked index, stats
+#: hash. ARGV: raw element, reason, tier label, now, source queue, delivery
+#: tag ('' if none).
+DEAD_LETTER = (
+    DEAD_ENTRY
+    + """
+redis.call('LPUSH', KEYS[1], dead_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]))
+if ARGV[6] ~= '' then
+  redis.call('HDEL', KEYS[2], ARGV[6])
+  redis.call('ZREM', KEYS[3], ARGV[6])
+end
+redis.call('HINCRBY', KEYS[4], 'malformed:' .. ARGV[3], 1)
+return 1
+"""
+)
+
+#: Most malformed elements one fetch call moves aside before it answers, so a
+#: list full of garbage never holds Redis for long.
+FETCH_DEAD_BUDGET = 100
 
 #: Take the oldest message of the first non-empty list and record it as
 #: unacked, in one round trip and atomically (kombu does RPOP, then a second
-#: call to record it: a crash in between loses the message).
-#: KEYS: the lists in preference order, then the unacked hash and index.
-#: ARGV: now. Returns {position of the list (1-based), message} or nil.
-FETCH = """
-local n = #KEYS - 2
+#: call to record it: a crash in between loses the message). An element that
+#: is not a kombu envelope is moved to the dead list with its reason instead.
+#: KEYS: the lists in preference order, then the unacked hash, its index,
+#: the dead list and the stats hash.
+#: ARGV: now, then one tier label per list.
+#: Returns {position of the list (1-based), message}, {0, n dead-lettered}
+#: when it stopped at its dead-letter budget, or nil when all are empty.
+FETCH = (
+    DEAD_ENTRY
+    + """
+local n = #KEYS - 4
+local dead = 0
 for i = 1, n do
-  local raw = redis.call('RPOP', KEYS[i])
-  if raw then
+  while true do
+    local raw = redis.call('LINDEX', KEYS[i], -1)
+    if not raw then break end
     local ok, msg = pcall(cjson.decode, raw)
-    if ok and type(msg) == 'table' and type(msg['properties']) == 'table' then
-      local props = msg['properties']
-      local info = props['delivery_info']
-      if type(info) ~= 'table' then info = {} end
-      local tag = props['delivery_tag']
-      if tag then
-        redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
-        redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',' .. cjson.encode(info['exchange'] or '') .. ','
-          .. cjson.encode(info['routing_key'] or '') .. ']')
-      end
+    local reason = nil
+    if not ok then
+      reason = 'malformed: not JSON'
+    elseif type(msg) ~= 'table' then
+      reason = 'malformed: envelope is not an object'
+    elseif type(msg['properties']) ~= 'table' then
+      reason = "malformed: envelope has no 'properties' object"
+    elseif type(msg['properties']['delivery_tag']) ~= 'string' then
+      reason = 'malformed: properties.delivery_tag missing or not a string'
+    elseif msg['headers'] ~= nil and type(msg['headers']) ~= 'table' then
+      reason = 'malformed: headers are not an object'
     end
-    return {i, raw}
+    if reason then
+      redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, ARGV[1 + i], ARGV[1], KEYS[i]))
+      redis.call('RPOP', KEYS[i])
+      redis.call('HINCRBY', KEYS[n + 4], 'malformed:' .. ARGV[1 + i], 1)
+      dead = dead + 1
+      if dead >= """
+    + str(FETCH_DEAD_BUDGET)
+    + """ then return {0, dead} end
+    else
+      local tag = msg['properties']['delivery_tag']
+      -- A restore (the worker died) returns it to the list it came from, not
+      -- to whatever its own delivery_info names: that is data, not an address.
+      redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
+      redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',"",' .. cjson.encode(KEYS[i]) .. ']')
+      redis.call('RPOP', KEYS[i])
+      return {i, raw}
+    end
   end
 end
+if dead > 0 then return {0, dead} end
 return nil
 """
+)

@@ -7,6 +7,7 @@ other queue, and every consumer-side operation, is kombu's own code.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -25,8 +26,15 @@ class Channel(kombu_redis.Channel):
         options = self.connection.client.transport_options
         caps = options.get("prio_caps") or {}
         rule = caps.get(queue)
-        if rule is None or kwargs.get("_publish_batch") is not None:
+        if rule is None:
             return super()._put(queue, message, **kwargs)
+        batch = kwargs.pop("_publish_batch", None)
+        if batch is not None:
+            # kombu's Producer.batch() pipelines plain LPUSHes, which would
+            # bypass the cap. A capped tier is published at once instead,
+            # through the guarded script, after what the batch buffered before
+            # it (so order holds and a refusal reaches the caller right here).
+            batch.flush()
         cap, policy, tier = rule
         pri = self._get_message_priority(message, reverse=False)
         key = self._q_for_pri(queue, pri)
@@ -50,11 +58,14 @@ def drain_rate(client: Any, stats_key: str, tier: str) -> float:
     """Tasks/s the cluster takes from ``tier``: the sum of fresh per-worker reports."""
     now, total = time.time(), 0.0
     for field, value in client.hgetall(f"{stats_key}.rates").items():
-        name = field.decode() if isinstance(field, bytes) else field
+        name = field.decode(errors="replace") if isinstance(field, bytes) else field
         if not name.endswith(f"|{tier}"):
             continue
-        rate, at = (float(x) for x in (value.decode() if isinstance(value, bytes) else value).split())
-        if now - at <= RATE_FRESH_FOR:
+        try:  # written by workers, but anyone can write to Redis: a bad entry is skipped
+            rate, at = (float(x) for x in (value.decode() if isinstance(value, bytes) else value).split())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if now - at <= RATE_FRESH_FOR and math.isfinite(rate) and rate > 0:
             total += rate
     return total
 

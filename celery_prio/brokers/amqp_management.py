@@ -1,0 +1,129 @@
+"""The RabbitMQ management API, for the drain rate behind ``QueueFull.retry_after``.
+
+Where it is: ``prio_management_url`` when set (``https://user:pass@host:15671``),
+else the broker's host over HTTPS on 15671 when the broker URL is ``amqps://``
+and over HTTP on 15672 otherwise. Credentials come from that URL, or from the
+broker URL when it names them; never from a default (no guest fallback), and
+never over plain HTTP to a broker reached over TLS.
+
+One client per (URL, credentials) in a process, one kept-alive connection,
+and a short cache: a burst of refusals costs one request per queue per
+``CACHE_SECONDS``, not one each.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from base64 import b64encode
+from typing import Any
+
+from kombu.utils.url import url_to_parts
+
+logger = logging.getLogger(__name__)
+
+CACHE_SECONDS = 1.0
+TIMEOUT_SECONDS = 0.3
+
+
+class ManagementClient:
+    def __init__(self, base_url: str, vhost: str, auth: tuple[str, str] | None) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or (15671 if self.https else 15672)
+        self.path = parts.path.rstrip("/")
+        self.vhost = vhost
+        self.headers = {"Accept": "application/json"}
+        if auth is not None:
+            self.headers["Authorization"] = "Basic " + b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, float]] = {}
+        self.requests = 0  # tests and benchmarks read it
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self._conn = cls(self.host, self.port, timeout=TIMEOUT_SECONDS)
+        return self._conn
+
+    def drain_rate(self, queue: str) -> float:
+        """Messages/s delivered from ``queue`` lately (0.0 when unknown or unreachable)."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(queue)
+            if cached is not None and now - cached[0] < CACHE_SECONDS:
+                return cached[1]
+            rate = self._fetch_rate(queue)
+            self._cache[queue] = (now, rate)
+            return rate
+
+    def _fetch_rate(self, queue: str) -> float:
+        path = f"{self.path}/api/queues/{urllib.parse.quote(self.vhost, safe='')}/{urllib.parse.quote(queue, safe='')}"
+        for attempt in range(2):  # a kept-alive connection the server closed: reconnect once
+            try:
+                conn = self._connection()
+                self.requests += 1
+                conn.request("GET", path, headers=self.headers)
+                response = conn.getresponse()
+                body = response.read()
+                if response.status != 200:
+                    return 0.0
+                stats = json.loads(body).get("message_stats") or {}
+                return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
+            except (OSError, http.client.HTTPException, ValueError, AttributeError, TypeError):
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                if attempt:
+                    return 0.0
+        return 0.0
+
+
+_clients: dict[tuple[str, str, tuple[str, str] | None], ManagementClient] = {}
+_clients_lock = threading.Lock()
+
+
+def management_endpoint(
+    broker_url: str, management_url: str | None, tls: bool = False
+) -> tuple[str, str, tuple[str, str] | None]:
+    """``(base URL without credentials, vhost, credentials or None)``. Pure: no connection made."""
+    broker = url_to_parts(broker_url.split(";")[0].strip())
+    vhost = broker.path or "/"
+    broker_auth = (
+        (urllib.parse.unquote(broker.username), urllib.parse.unquote(broker.password or ""))
+        if broker.username
+        else None
+    )
+    if management_url:
+        parts = urllib.parse.urlsplit(management_url)
+        auth = (
+            (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+            if parts.username
+            else None
+        )
+        netloc = parts.hostname or "localhost"
+        if parts.port:
+            netloc += f":{parts.port}"
+        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")), vhost, auth or broker_auth
+    tls = tls or broker.scheme == "amqps"
+    scheme, port = ("https", 15671) if tls else ("http", 15672)
+    return f"{scheme}://{broker.hostname or 'localhost'}:{port}", vhost, broker_auth
+
+
+def management_client(app: Any, settings: Any) -> ManagementClient:
+    """The process's one client for this app's management endpoint."""
+    url = app.conf.broker_write_url or app.conf.broker_url or "amqp://localhost"
+    if isinstance(url, (list, tuple)):
+        url = url[0]
+    key = management_endpoint(url, settings.management_url, tls=bool(app.conf.broker_use_ssl))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = ManagementClient(*key)
+        return client
