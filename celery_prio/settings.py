@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -144,6 +145,13 @@ def _config_keys(conf: Mapping[str, Any]) -> list[Any]:
         return []
 
 
+def _misspelt_setting(key: Any, value: Any) -> bool:
+    """A ``prio_`` key that is no setting. A function or module of that name (a config module's helper) is none."""
+    if not isinstance(key, str) or not key.lower().startswith("prio_") or key.lower()[5:] in DEFAULTS:
+        return False
+    return not callable(value) and not isinstance(value, types.ModuleType)
+
+
 def _unknown_setting(name: str) -> ConfigError:
     key = name.removeprefix("prio_")
     close = difflib.get_close_matches(key, SETTING_NAMES, n=1)
@@ -158,7 +166,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     name: a misspelt cap or threshold must not silently fall back to its default.
     """
     for key in _config_keys(conf):
-        if isinstance(key, str) and key.lower().startswith("prio_") and key.lower()[5:] not in DEFAULTS:
+        if _misspelt_setting(key, conf.get(key)):
             raise _unknown_setting(key)
     raw = dict(DEFAULTS)
     for name in DEFAULTS:

@@ -53,15 +53,18 @@ def redis_envelope_problem(payload: Any) -> str | None:
     Mirrors what ``kombu.transport.virtual.Message`` needs, so that building
     the message cannot raise. (The fetch script checks the same first.)
     """
+    # Same checks, same words as the fetch script (brokers/redis_scripts.FETCH).
     if not isinstance(payload, Mapping):
-        return f"malformed: envelope is a {type(payload).__name__}, not an object"
+        return "malformed: envelope is not an object"
     props = payload.get("properties")
     if not isinstance(props, Mapping):
         return "malformed: envelope has no 'properties' object"
     if not isinstance(props.get("delivery_tag"), str):
         return "malformed: properties.delivery_tag missing or not a string"
-    for key, kind in (("body", str), ("content-type", str), ("content-encoding", str)):
-        if payload.get(key) is not None and not isinstance(payload[key], kind):
+    if "headers" in payload and not isinstance(payload["headers"], Mapping):
+        return "malformed: headers are not an object"
+    for key in ("body", "content-type", "content-encoding"):
+        if payload.get(key) is not None and not isinstance(payload[key], str):
             return f"malformed: {key!r} is not a string"
     if props.get("body_encoding") is not None and not isinstance(props["body_encoding"], str):
         return "malformed: properties.body_encoding is not a string"

@@ -28,7 +28,7 @@ broker_connection_retry_on_startup = True
 worker_hijack_root_logger = False
 
 
-def prio_settings() -> dict:
+def celery_prio_overrides() -> dict:
     """celery-prio overrides from PRIO_SETTINGS (validated by install())."""
     raw = os.environ.get("PRIO_SETTINGS", "").strip()
     if not raw:

@@ -7,7 +7,7 @@ import os
 from celery import Celery
 
 import celery_prio
-from config.celery import prio_settings
+from config.celery import celery_prio_overrides
 
 from .gpu import add_gpu_pinning
 
@@ -17,5 +17,5 @@ if os.environ.get("TASKS_PLAIN_CELERY") == "1":
     # The demo's baseline: the same tasks and workers on one plain FIFO queue.
     app.conf.task_default_queue = os.environ.get("TASKS_PLAIN_QUEUE", "celery")
 else:
-    celery_prio.install(app, **prio_settings())
+    celery_prio.install(app, **celery_prio_overrides())
 add_gpu_pinning(app)

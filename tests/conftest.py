@@ -156,18 +156,24 @@ class PrioEnv:
 
 @pytest.fixture(params=["redis", "amqp"])
 def env(request, tmp_path):
-    need_broker(request.param)
-    e = PrioEnv(request.param, tmp_path)
+    yield from _one_broker_env(request.param, tmp_path)
+
+
+def _one_broker_env(kind: str, tmp_path: Path):
+    need_broker(kind)
+    e = PrioEnv(kind, tmp_path)
     yield e
     e.close()
 
 
 @pytest.fixture
 def redis_env(tmp_path):
-    need_broker("redis")
-    e = PrioEnv("redis", tmp_path)
-    yield e
-    e.close()
+    yield from _one_broker_env("redis", tmp_path)
+
+
+@pytest.fixture
+def amqp_env(tmp_path):
+    yield from _one_broker_env("amqp", tmp_path)
 
 
 __all__ = ["PrioEnv", "load_settings", "need_broker"]

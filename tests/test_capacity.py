@@ -109,3 +109,62 @@ def test_changing_a_cap_on_an_existing_rabbitmq_queue_does_not_crash(tmp_path):
         assert "exists with other arguments" in worker.log()
     finally:
         env.close()
+
+
+def test_producer_batch_cannot_bypass_a_cap(env):
+    """kombu's Producer.batch() pipelines publishes; a capped tier must still refuse past its cap."""
+    env.configure(max_length={"batch": 5})
+    sleep = env.app.tasks["t.sleep"]
+    accepted = 0
+    with env.app.producer_or_acquire() as producer, pytest.raises(QueueFull) as info, producer.batch():
+        for i in range(10):
+            sleep.apply_async((f"b{i}", 0), tier="batch", producer=producer)
+            accepted += 1
+    assert accepted == 5 and info.value.tier is B
+    assert env.depth(B) == 5
+
+
+def test_uncapped_queues_still_batch(redis_env):
+    """Only capped tier queues leave the pipeline: other queues keep kombu's batching."""
+    env = redis_env
+    env.configure(max_length={"batch": None})
+    sleep = env.app.tasks["t.sleep"]
+    with env.app.producer_or_acquire() as producer, producer.batch():
+        for i in range(20):
+            sleep.apply_async((f"b{i}", 0), tier="batch", producer=producer)
+        assert env.depth(B) == 0  # still buffered in the pipeline
+    assert env.depth(B) == 20
+
+
+def test_a_garbage_drain_rate_entry_still_gives_queue_full(redis_env):
+    env = redis_env
+    env.configure(max_length={"realtime": 1})
+    env.adapter.client.hset(f"{env.prefix}.stats.rates", "w|realtime", "not a rate")
+    rt = env.app.tasks["t.rt_sleep"]
+    rt.delay("r0", 0)
+    with pytest.raises(QueueFull) as info:
+        rt.delay("r1", 0)
+    assert info.value.retry_after == QueueFull.default_retry_after
+
+
+def test_rabbitmq_refusals_share_one_management_client(amqp_env):
+    from celery_prio.brokers.amqp_management import management_client
+    from celery_prio.install import settings_for
+
+    env = amqp_env
+    env.configure(max_length={"realtime": 1})
+    rt = env.app.tasks["t.rt_sleep"]
+    rt.delay("r0", 0)
+    client = management_client(env.app, settings_for(env.app))
+    before = client.requests
+    started = time.monotonic()
+    refused = 0
+    for i in range(30):
+        try:
+            rt.delay(f"r{i + 1}", 0)
+        except QueueFull:
+            refused += 1
+    elapsed = time.monotonic() - started
+    assert refused == 30
+    # One cached answer per second per queue, not one request per refusal.
+    assert client.requests - before <= 2 + elapsed, (client.requests - before, elapsed)

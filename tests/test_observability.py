@@ -139,3 +139,24 @@ def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
         flower.kill()
         flower.wait(10)
         log.close()
+
+
+def test_garbage_at_a_tier_head_or_in_the_dead_letters_breaks_no_report(redis_env):
+    """A JSON list at a tier's head used to make prio_stats fail and /metrics answer 500."""
+    from celery_prio.control import collect_prio_stats
+
+    env = redis_env
+    port = free_port()
+    env.configure(metrics_port=port, aging={"batch": None, "offline": None})
+    env.start_worker(concurrency=2, queues=[env.queue(R)])  # nobody takes the garbage off offline
+    env.adapter.client.lpush(env.queue(O), b"[1, 2]")
+    env.adapter.client.lpush(f"{env.prefix}.dead", b"[3]", b"\xff not json")
+    (reply,) = collect_prio_stats(env.app, timeout=3, limit=1).values()
+    assert reply["tiers"]["offline"]["oldest_wait_s"] is None
+    response = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert response.status == 200 and b"celery_prio_queue_depth" in response.read()
+    data = json.loads(env.prio_cli("status", "--json"))
+    assert data["tiers"]["offline"]["depth"] == 1 and data["dead"] == 2
+    listed = json.loads(env.prio_cli("dead", "list", "--json"))
+    assert [d["reason"] for d in listed] == ["malformed dead-letter entry"] * 2
+    assert "2 shown" in env.prio_cli("dead", "list")

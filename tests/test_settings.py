@@ -126,3 +126,27 @@ def test_route_patterns():
     assert s.tier_for_task_name("ml.online.classify") is Tier.REALTIME
     assert s.tier_for_task_name("ml.report") is Tier.OFFLINE
     assert s.tier_for_task_name("billing.charge") is None
+
+
+@pytest.mark.parametrize(
+    ("broker", "management_url", "tls", "expected"),
+    [
+        ("amqp://u:p@rabbit:5672//", None, False, ("http://rabbit:15672", "/", ("u", "p"))),
+        ("amqps://u:p@rabbit:5671/prod", None, False, ("https://rabbit:15671", "prod", ("u", "p"))),
+        ("amqp://u:p@rabbit:5672//", None, True, ("https://rabbit:15671", "/", ("u", "p"))),
+        ("amqp://rabbit//", None, False, ("http://rabbit:15672", "/", None)),  # no guest fallback
+        (
+            "amqp://u:p@rabbit//",
+            "https://ops:s3cret@mgmt.example:443/rmq",
+            False,
+            ("https://mgmt.example:443/rmq", "/", ("ops", "s3cret")),
+        ),
+        ("amqp://u:p@rabbit//", "https://mgmt.example", False, ("https://mgmt.example", "/", ("u", "p"))),
+    ],
+)
+def test_management_endpoint_follows_the_broker_tls_and_never_defaults_credentials(
+    broker, management_url, tls, expected
+):
+    from celery_prio.brokers.amqp_management import management_endpoint
+
+    assert management_endpoint(broker, management_url, tls=tls) == expected

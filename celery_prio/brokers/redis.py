@@ -159,6 +159,8 @@ class RedisAdapter(BrokerAdapter):
 
 def describe_dead_entry(raw: bytes) -> dict[str, Any]:
     """One dead-letter list element as ``dead list`` shows it; never raises."""
+    if isinstance(raw, bytes):  # a dead malformed element may hold any bytes
+        raw = raw.decode("utf-8", "surrogateescape")
     try:
         entry = json.loads(raw)
         headers, message = entry["headers"], entry["message"]

@@ -136,7 +136,7 @@ DEAD_HEAD = (
 if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return 0 end
 redis.call('LPUSH', KEYS[2], dead_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[1]))
 redis.call('RPOP', KEYS[1])
-redis.call('HINCRBY', KEYS[3], 'malformed:' .. ARGV[3], 1)
+redis.call('HINCRBY', KEYS[3], 'dead_lettered:' .. ARGV[3], 1)
 return 1
 """
 )
@@ -153,7 +153,7 @@ if ARGV[6] ~= '' then
   redis.call('HDEL', KEYS[2], ARGV[6])
   redis.call('ZREM', KEYS[3], ARGV[6])
 end
-redis.call('HINCRBY', KEYS[4], 'malformed:' .. ARGV[3], 1)
+redis.call('HINCRBY', KEYS[4], 'dead_lettered:' .. ARGV[3], 1)
 return 1
 """
 )
@@ -196,7 +196,7 @@ for i = 1, n do
     if reason then
       redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, ARGV[1 + i], ARGV[1], KEYS[i]))
       redis.call('RPOP', KEYS[i])
-      redis.call('HINCRBY', KEYS[n + 4], 'malformed:' .. ARGV[1 + i], 1)
+      redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. ARGV[1 + i], 1)
       dead = dead + 1
       if dead >= """
     + str(FETCH_DEAD_BUDGET)
