@@ -99,14 +99,16 @@ class PrioEnv:
             "PYTHONPATH": str(ROOT),
         }
 
-    def start_worker(self, concurrency: int = 4, wait: bool = True, **kwargs: Any) -> WorkerProcess:
+    def start_worker(
+        self, concurrency: int = 4, wait: bool = True, env_extra: dict[str, str] | None = None, **kwargs: Any
+    ) -> WorkerProcess:
         n = len(self.workers)
         worker = WorkerProcess(
             "tests.workerapp",
             log_path=self.tmp_path / f"worker{n}.log",
             concurrency=concurrency,
             hostname=f"w{n}-{self.prefix}@%h",
-            env=self.worker_env(),
+            env={**self.worker_env(), **(env_extra or {})},
             cwd=ROOT,
             **kwargs,
         )

@@ -205,3 +205,9 @@ def test_idle_worker_makes_bounded_broker_calls(env):
     after, _, t1 = calls()
     # Idle: each polled queue is asked at most once per prio_poll_interval (0.05 s).
     assert (after - before) / (t1 - t0) <= 1.1 * queues / 0.05, (after - before, queues)
+
+
+def test_a_worker_refuses_to_start_with_a_task_of_an_unknown_tier(redis_env):
+    worker = redis_env.start_worker(concurrency=1, wait=False, env_extra={"PRIO_TEST_BOGUS_TIER": "1"})
+    assert worker.proc.wait(60) != 0
+    assert "task 't.bogus': unknown tier 'nope'; valid tiers: realtime|batch|offline" in worker.log()

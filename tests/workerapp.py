@@ -78,6 +78,12 @@ def make_app(
     def noop() -> None:
         return None
 
+    if os.environ.get("PRIO_TEST_BOGUS_TIER") == "1":  # a typo a worker must refuse to start with
+
+        @app.task(shared=False, name="t.bogus", tier="nope")
+        def bogus() -> None:
+            return None
+
     return app
 
 
