@@ -10,6 +10,7 @@ import celery_prio
 from config.celery import celery_prio_overrides
 
 from .gpu import add_gpu_pinning
+from .warmup import add_model_warmup
 
 app = Celery("tasks", include=["tasks.inference"])
 app.config_from_object("config.celery")
@@ -19,3 +20,4 @@ if os.environ.get("TASKS_PLAIN_CELERY") == "1":
 else:
     celery_prio.install(app, **celery_prio_overrides())
 add_gpu_pinning(app)
+add_model_warmup(app)

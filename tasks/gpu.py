@@ -5,7 +5,8 @@ one, round robin by its pool index, by narrowing ``CUDA_VISIBLE_DEVICES``
 before it touches CUDA (the parent never does, so forking stays safe). GPU
 numbers are positions in the worker's own ``CUDA_VISIBLE_DEVICES`` when that
 is set. Without CUDA every process runs on the CPU and says so once.
-Each process records its device so that ``celery inspect stats`` can show it.
+Each process records its device (and, see ``warmup``, its model load and
+warm-up times) so that ``celery inspect stats`` can show it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from celery import bootsteps, signals
+from celery import bootsteps
 
 logger = logging.getLogger(__name__)
 GPUS_ENV = "CELERY_PRIO_GPUS"
@@ -35,7 +36,8 @@ def parse_gpus(value: str | None) -> list[str]:
     return gpus
 
 
-def _devices_dir(parent_pid: int) -> Path:
+def devices_dir(parent_pid: int) -> Path:
+    """Where the pool processes of worker ``parent_pid`` record their device and warm-up figures."""
     return Path(tempfile.gettempdir()) / f"celery-prio-devices-{parent_pid}"
 
 
@@ -51,8 +53,8 @@ def pin_this_process(index: int) -> str | None:
     return physical
 
 
-def process_device():
-    """The torch device of this process (imported lazily: the parent never loads CUDA)."""
+def process_device() -> tuple[Any, dict[str, Any]]:
+    """The torch device of this process and a description of it (torch imported lazily: the parent never loads CUDA)."""
     import torch
 
     if torch.cuda.is_available():
@@ -61,23 +63,15 @@ def process_device():
     else:
         device, name = torch.device("cpu"), "cpu"
         logger.info("celery-prio: no CUDA device, running on the CPU (pid %d)", os.getpid())
-    record = {"device": str(device), "name": name, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    parent = os.environ.get("CELERY_PRIO_PARENT_PID")
-    if parent:
-        directory = _devices_dir(int(parent))
-        directory.mkdir(exist_ok=True)
-        (directory / f"{os.getpid()}.json").write_text(json.dumps(record))
-    return device
+    return device, {"device": str(device), "name": name, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-@signals.worker_process_init.connect
-def _pin_pool_child(**_: Any) -> None:
-    from billiard.process import current_process
-
-    index = getattr(current_process(), "index", 0) or 0
-    physical = pin_this_process(index)
-    if physical is not None:
-        logger.info("celery-prio: pool process %d pinned to GPU %s", index, physical)
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 class GpuPinning(bootsteps.StartStopStep):
@@ -89,17 +83,22 @@ class GpuPinning(bootsteps.StartStopStep):
         if self.gpus:
             os.environ[GPUS_ENV] = ",".join(self.gpus)  # inherited by forked children
         os.environ["CELERY_PRIO_PARENT_PID"] = str(os.getpid())
+        shutil.rmtree(devices_dir(os.getpid()), ignore_errors=True)  # a dead worker's records under a reused pid
         super().__init__(worker, **options)
 
     def stop(self, worker: Any) -> None:
-        shutil.rmtree(_devices_dir(os.getpid()), ignore_errors=True)
+        shutil.rmtree(devices_dir(os.getpid()), ignore_errors=True)
 
     def info(self, worker: Any) -> dict[str, Any]:
         devices = {}
-        directory = _devices_dir(os.getpid())
+        directory = devices_dir(os.getpid())
         if directory.is_dir():
             for path in directory.glob("*.json"):
-                devices[path.stem] = json.loads(path.read_text())
+                if _alive(path.stem):  # recycled children leave records behind
+                    try:
+                        devices[path.stem] = json.loads(path.read_text())
+                    except ValueError:
+                        continue
         return {"gpus": self.gpus or "none (CPU)", "devices": devices}
 
 

@@ -48,9 +48,14 @@ class TasksEnv:
         self.app.conf.broker_url = self.app.conf.result_backend = REDIS_URL
         celery_prio.install(self.app, queue_prefix=self.prefix, **prio)
 
-    def start_worker(self, **kwargs) -> WorkerProcess:
+    def start_worker(self, concurrency: int = 2, **kwargs) -> WorkerProcess:
         self.worker = WorkerProcess(
-            "tasks", log_path=self.tmp_path / "tasks-worker.log", env=self.env, cwd=ROOT, concurrency=2, **kwargs
+            "tasks",
+            log_path=self.tmp_path / "tasks-worker.log",
+            env=self.env,
+            cwd=ROOT,
+            concurrency=concurrency,
+            **kwargs,
         ).wait_ready()
         return self.worker
 
@@ -188,3 +193,68 @@ def test_gpu_pinning_round_robin(monkeypatch):
 
     with pytest.raises(click.BadParameter, match="--gpus takes GPU numbers"):
         parse_gpus("0,a")
+
+
+def _first_request_ms(env: TasksEnv) -> float:
+    import time
+
+    image, _ = images(1)
+    started = time.perf_counter()
+    result = env.app.send_task("tasks.inference.classify", args=[image[0]], tier="realtime").get(timeout=20)
+    assert "label" in result
+    return (time.perf_counter() - started) * 1000
+
+
+def _warm_client(env: TasksEnv) -> None:
+    """Connect the client to broker and backend first: the test measures the worker, not the client's dial."""
+    env.app.send_task("tasks.inference.nothing", queue=f"{env.prefix}.unused")
+    env.app.AsyncResult("warm-the-backend").state  # noqa: B018
+
+
+@pytest.mark.slow
+def test_first_realtime_request_after_start_is_warm(tasks_env):
+    _warm_client(tasks_env)
+    worker = tasks_env.start_worker()
+    assert "model warm in every pool process" in worker.log()  # before "ready."
+    assert worker.log().index("model warm in every pool process") < worker.log().index("ready.")
+    assert _first_request_ms(tasks_env) < 200
+    stats = next(iter(tasks_env.app.control.inspect(timeout=5).stats().values()))
+    devices = stats["devices"]
+    assert len(devices) == 2
+    assert all(d["device"] == "cpu" and d["load_s"] >= 0 and d["warmup_s"] >= 0 for d in devices.values())
+
+
+@pytest.mark.slow
+def test_a_recycled_child_is_warm_before_it_takes_a_task(tasks_env):
+    import time
+
+    _warm_client(tasks_env)
+    worker = tasks_env.start_worker(concurrency=1, extra_args=["--max-tasks-per-child", "1"])
+    assert _first_request_ms(tasks_env) < 200
+    for n in range(2, 4):  # each request runs in a child forked after the previous one
+        deadline = time.monotonic() + 60
+        while worker.log().count(" warm on ") < n:
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            time.sleep(0.05)
+        assert _first_request_ms(tasks_env) < 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("corrupt", "could not load the model: RuntimeError"),
+        ("no-such-model", "could not load the model: ValueError: unknown model 'no-such-model'"),
+    ],
+)
+def test_a_model_that_cannot_load_stops_the_worker_with_the_reason(tasks_env, tmp_path, model, message):
+    if model == "corrupt":
+        model = str(tmp_path / "model.pt")
+        (tmp_path / "model.pt").write_bytes(b"this is not a TorchScript archive")
+    tasks_env.env["INFERENCE_MODEL"] = model
+    worker = WorkerProcess("tasks", log_path=tmp_path / "bad-model.log", env=tasks_env.env, cwd=ROOT, concurrency=2)
+    tasks_env.worker = worker
+    assert worker.proc.wait(90) != 0
+    log = worker.log()
+    assert message in log, log[-3000:]
+    assert "ready." not in log
