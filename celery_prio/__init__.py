@@ -10,7 +10,8 @@ or ``task.apply_async(..., tier="batch")``.
 from __future__ import annotations
 
 from .errors import ConfigError, QueueFull
-from .install import install, settings_for
+from .install import install
+from .settings import settings_for
 from .tiers import TIERS, Tier, parse_tier
 
 __all__ = ["TIERS", "ConfigError", "QueueFull", "Tier", "install", "parse_tier", "settings_for"]

@@ -17,7 +17,9 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .brokers import adapter_for
 from .control import collect_prio_stats
-from .install import settings_for
+from .report import WorkerReport
+from .scheduler import configured_shares
+from .settings import settings_for
 from .tiers import TIERS
 
 
@@ -35,35 +37,39 @@ def prio(ctx, **kwargs):
 
 
 def cluster_status(app, settings, adapter) -> dict:
-    """Per tier: broker depth, plus the workers' figures summed (inspect prio_stats)."""
+    """Per tier: broker depth, plus the workers' reports summed (inspect prio_stats)."""
     replies = collect_prio_stats(app, timeout=1.0)
-    workers = {name: r for name, r in replies.items() if isinstance(r, dict) and "tiers" in r}
+    reports = {name: r for name, r in ((n, WorkerReport.from_dict(v)) for n, v in replies.items()) if r is not None}
+    total_busy = sum(t.busy_seconds for r in reports.values() for t in r.tiers.values())
+    served = [t for t in TIERS if any(r.tiers[t.label].queues for r in reports.values())] or list(TIERS)
+    configured = configured_shares(settings.weights, served)
     rows = {}
-    total_busy = sum(t["busy_seconds"] for w in workers.values() for t in w["tiers"].values()) or 0.0
     for tier in TIERS:
-        per_worker = [w["tiers"][tier.label] for w in workers.values()]
+        per_worker = [r.tiers[tier.label] for r in reports.values()]
 
-        def worst(key, rows_=per_worker):
-            values = [r[key] for r in rows_ if r.get(key) is not None]
+        def worst(attr, rows_=per_worker):
+            values = [getattr(r, attr) for r in rows_ if getattr(r, attr) is not None]
             return max(values) if values else None
 
-        busy = sum(r["busy_seconds"] for r in per_worker)
+        busy = sum(r.busy_seconds for r in per_worker)
         rows[tier.label] = {
             "queue": settings.queue_name(tier),
             "depth": adapter.depth(settings.queue_name(tier)),
             "max_length": settings.max_length[tier],
-            "workers": sum(1 for r in per_worker if r["queues"]),
-            "dispatched": sum(r["dispatched"] for r in per_worker),
-            "running": sum(r["running"] for r in per_worker),
+            "workers": sum(1 for r in per_worker if r.queues),
+            "dispatched": sum(r.dispatched for r in per_worker),
+            "running": sum(r.running for r in per_worker),
             "oldest_wait_s": worst("oldest_wait_s"),
             "wait_p99_ms": worst("wait_p99_ms"),
             "slot_time_share": round(busy / total_busy, 4) if total_busy else None,
-            "configured_share": round(settings.weights[tier] / sum(settings.weights.values()), 4),
+            "configured_share": round(configured[tier], 4),
+            # Broker-wide counters: every worker reports the same figure, so the largest (the freshest).
             "promoted": worst("promoted"),
             "rejected": worst("rejected"),
             "dropped": worst("dropped"),
+            "dead_lettered": worst("dead_lettered"),
         }
-    return {"tiers": rows, "dead": adapter.depth(settings.dead_letter_queue), "workers": sorted(workers)}
+    return {"tiers": rows, "dead": adapter.depth(settings.dead_letter_queue), "workers": sorted(reports)}
 
 
 def _fmt(value, pattern="{}") -> str:

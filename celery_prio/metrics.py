@@ -2,9 +2,10 @@
 
 Served by the worker's main process, where the scheduler and the fetcher
 live: prefork children record nothing, so no multiprocess mode is needed.
-The collector reads the fetcher's figures at scrape time (nothing on the hot
-path) and asks the broker for queue depths over a connection of its own
-(the scrape runs on the exporter's thread).
+The collector reads the worker report at scrape time (nothing on the hot
+path; building it makes no broker call) and asks the broker for queue
+depths over a connection of its own (the scrape runs on the exporter's
+thread, never on the worker's channel).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ class PrioCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        info = self.fetcher.info()
-        tiers = info["tiers"]
+        report = self.fetcher.report()  # the worker's own figures: no broker call from this thread
 
-        def family(kind, name: str, doc: str, key: str):
+        def family(kind, name: str, doc: str, attr: str):
             metric = kind(f"celery_prio_{name}", doc, labels=["tier"])
-            for tier, row in tiers.items():
-                if row.get(key) is not None:
-                    metric.add_metric([tier], float(row[key]))
+            for tier, row in report.tiers.items():
+                value = getattr(row, attr)
+                if value is not None:
+                    metric.add_metric([tier], float(value))
             return metric
 
         yield family(CounterMetricFamily, "dispatched", "Tasks this worker took from the tier", "dispatched")
@@ -59,6 +60,12 @@ class PrioCollector:
         yield family(CounterMetricFamily, "promoted", "Messages promoted out of the tier (Redis)", "promoted")
         yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 (Redis)", "rejected")
         yield family(CounterMetricFamily, "dropped", "Messages evicted to the dead letters (Redis)", "dropped")
+        yield family(
+            CounterMetricFamily,
+            "dead_lettered",
+            "Unrunnable messages moved to the dead letters (Redis)",
+            "dead_lettered",
+        )
         depth = GaugeMetricFamily("celery_prio_queue_depth", "Messages waiting in the tier queue", labels=["tier"])
         for tier, value in self._depths().items():
             depth.add_metric([tier], value)

@@ -1,4 +1,4 @@
-"""Producer side: tier -> queue routing, tier queue declarations, enqueue stamp.
+"""Producer side: tier -> queue routing and the enqueue stamp.
 
 A tier comes, in this order, from ``apply_async(..., tier=...)``, from the
 task's ``tier`` attribute (``@app.task(tier="realtime")``), from the
@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kombu import Exchange, Queue
-
 from .admission import last_route
 from .headers import ENQUEUED_HEADER
 from .settings import PrioSettings
@@ -22,23 +20,6 @@ from .tiers import TIERS, Tier, parse_tier
 # Tier queue names of every installed app in this process; the publish hook
 # stamps only messages bound for them.
 _TIER_QUEUES: set[str] = set()
-
-
-def tier_queues(settings: PrioSettings, broker_kind: str) -> list[Queue]:
-    """The three real queues, declared like Celery's own (a direct exchange per queue).
-
-    On RabbitMQ they carry the capacity arguments (see ``brokers/amqp``); on
-    Redis capacity lives in the publish script instead.
-    """
-    if broker_kind == "amqp":
-        from .brokers.amqp import tier_queue
-
-        return [tier_queue(settings, tier) for tier in TIERS]
-    queues = []
-    for tier in TIERS:
-        name = settings.queue_name(tier)
-        queues.append(Queue(name, Exchange(name, type="direct"), routing_key=name))
-    return queues
 
 
 def make_router(settings: PrioSettings):

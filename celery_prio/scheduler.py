@@ -190,5 +190,11 @@ class TierScheduler:
         return {t: (s.busy_seconds / total if total else 0.0) for t, s in self.tiers.items()}
 
     def configured_shares(self) -> dict[Tier, float]:
-        total = sum(self.tiers[t].weight for t in self.served) or 1.0
-        return {t: (s.weight / total if t in self.served else 0.0) for t, s in self.tiers.items()}
+        return configured_shares({t: s.weight for t, s in self.tiers.items()}, self.served)
+
+
+def configured_shares(weights: Mapping[Tier, float], served: Iterable[Tier]) -> dict[Tier, float]:
+    """Each served tier's share of slot time by weight (0 for tiers not served): one rule for every report."""
+    served = frozenset(served)
+    total = sum(weights[t] for t in served) or 1.0
+    return {t: (weights[t] / total if t in served else 0.0) for t in TIERS}

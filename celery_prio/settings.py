@@ -110,18 +110,6 @@ class PrioSettings:
                 return tier
         return None
 
-    def check_for_broker(self, kind: str) -> None:
-        """Combinations one broker cannot honour, refused before anything is declared."""
-        if kind == "amqp":
-            for tier in (Tier.BATCH,):  # the only tier that both receives promotions and can age
-                if self.overflow[tier] == "drop_oldest" and self.aging[tier] is not None:
-                    raise ConfigError(
-                        f"prio_overflow[{tier.label}]='drop_oldest' with prio_aging[{tier.label}]="
-                        f"{self.aging[tier]!r} is not supported on RabbitMQ: a message promoted into "
-                        f"{tier.label} could not be told apart from an evicted one. Use 'reject', or "
-                        f"prio_aging[{tier.label}]=None"
-                    )
-
     def effective_reserve(self, concurrency: int) -> int:
         """Slots batch/offline may never occupy; checked against the pool size."""
         if self.reserve is None:
@@ -257,6 +245,15 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         metrics_host=raw["metrics_host"],
         management_url=management_url,
     )
+
+
+def settings_for(app: Any) -> PrioSettings:
+    """The validated settings of an app (``install()`` keeps them; a worker re-reads ``app.conf``)."""
+    cached = getattr(app, "_celery_prio_settings", None)
+    if cached is None:
+        cached = load_settings(app.conf)
+        app._celery_prio_settings = cached
+    return cached
 
 
 def documented_settings() -> list[str]:

@@ -1,1 +1,1 @@
-"""Celery configuration for the example app, read from the environment."""
+"""Celery configuration for the example app (``config.celery``), read from the environment."""

@@ -23,7 +23,7 @@ import redis
 from celery_prio.brokers import adapter_for
 from celery_prio.settings import load_settings
 from celery_prio.tiers import TIERS, Tier
-from celery_prio.workers import WorkerProcess
+from celery_prio.tools.workers import WorkerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -56,6 +56,9 @@ def test_short_demo_runs_end_to_end_and_reports(tmp_path):
     assert "realtime P99" in done.stdout
     # Nothing left behind: no worker of this run, no embedded redis-server.
     leftovers = subprocess.run(
-        ["pgrep", "-f", "celery-prio-demo-redis-|-A tasks worker"], capture_output=True, text=True, check=False
+        ["pgrep", "-f", "celery-prio-demo-redis-|-A celery_prio.example worker"],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout.split()
     assert leftovers == []

@@ -10,14 +10,14 @@ import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
 
-from celery_prio.workers import WorkerProcess
+from celery_prio.tools.workers import WorkerProcess
 from tests.conftest import REDIS_URL, ROOT, need_broker
 
 torch = pytest.importorskip("torch")
 
-from tasks import predict  # noqa: E402
-from tasks.http import create_api  # noqa: E402
-from tasks.model import held_out_split  # noqa: E402
+from celery_prio.example import predict  # noqa: E402
+from celery_prio.example.http import create_api  # noqa: E402
+from celery_prio.example.model import held_out_split  # noqa: E402
 
 pytestmark = [pytest.mark.broker]
 
@@ -41,7 +41,7 @@ class TasksEnv:
         self.tmp_path = tmp_path
         self.worker: WorkerProcess | None = None
         import celery_prio
-        from config import celery as config
+        from celery_prio.example import config
 
         self.app = Celery("client", set_as_current=False)
         self.app.config_from_object(config)
@@ -179,7 +179,7 @@ def test_http_429_when_the_realtime_tier_is_full(tmp_path):
 
 
 def test_gpu_pinning_round_robin(monkeypatch):
-    from tasks.gpu import parse_gpus, pin_this_process
+    from celery_prio.example.gpu import parse_gpus, pin_this_process
 
     monkeypatch.setenv("CELERY_PRIO_GPUS", "0,1")
     pinned = []

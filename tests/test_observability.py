@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from celery_prio.tiers import Tier
-from celery_prio.workers import free_port
+from celery_prio.tools.workers import free_port
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from celery_prio.headers import DEAD_REASON
-from celery_prio.install import settings_for
+from celery_prio.settings import settings_for
 from celery_prio.tiers import Tier
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -17,10 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_prio.brokers.redis import RedisAdapter, RedisFetcher, describe_dead_entry
+from celery_prio.brokers.redis import RedisAdapter, RedisFetchSource, describe_dead_entry
 from celery_prio.brokers.redis_transport import drain_rate
 from celery_prio.headers import ENQUEUED_HEADER
-from celery_prio.install import settings_for
+from celery_prio.served import ServedQueues
+from celery_prio.settings import settings_for
 from celery_prio.tiers import TIERS, Tier
 from celery_prio.untrusted import enqueue_age, headers_problem, redis_envelope_problem, valid_stamp
 
@@ -80,7 +81,9 @@ def redis_parts(redis_env):
     app = env.app
     conn = app.connection_for_write()
     channel = conn.default_channel
-    parts = (env, settings_for(app), RedisAdapter(app, client=channel.client), RedisFetcher(channel, settings_for(app)))
+    s = settings_for(app)
+    served = ServedQueues(s, [s.queue_name(t) for t in TIERS])
+    parts = (env, s, RedisAdapter(app, client=channel.client), RedisFetchSource(app, channel, served, s, "fuzz"))
     yield parts
     conn.release()
 
@@ -261,19 +264,18 @@ def test_fuzz_no_exception_escapes_and_nothing_is_lost(redis_parts, batch, offli
             adapter.oldest_age(q, when)
     adapter.counters(s)
     drain_rate(client, s.stats_key, "batch")
-    keys = [promoted[0], queues[0], promoted[1], queues[1], queues[2]]
-    tiers = [R, R, B, B, O]
     ran = 0
-    for _ in range(4 * pushed + 4):
-        hit = fetcher.fetch(keys, tiers)
-        if hit is None:
-            break
-        if hit[1] is not None:
-            msg = hit[1]
+    for _ in range(4 * pushed + 4):  # the worker's own path: promoted lists first, tiers in order
+        take = fetcher.take([R, B, O])
+        if take.message is not None:
+            msg = take.message
             assert headers_problem(msg.headers) is None
             enqueue_age(msg.headers, now)
             msg.ack()
             ran += 1
+        elif not take.dead_lettered:
+            assert take.empty == (R, B, O)
+            break
     dead = client.llen(s.dead_letter_queue)
     assert ran + dead == pushed
     assert client.hlen(fetcher.channel.unacked_key) == 0
@@ -281,4 +283,4 @@ def test_fuzz_no_exception_escapes_and_nothing_is_lost(redis_parts, batch, offli
     assert len(described) == dead and all(d["reason"] for d in described)
     moved, left, skipped = adapter.dead_requeue(s)
     assert moved + left == dead and skipped <= left
-    assert sum(client.llen(k) for k in keys) == moved
+    assert sum(client.llen(k) for k in [*queues, *promoted]) == moved

@@ -1,25 +1,53 @@
 """Broker adapters: the only code that knows a broker's own commands.
 
-``adapter_for(app)`` returns the adapter for the app's broker transport.
+``adapter_for(app)`` returns the :class:`~.base.Broker` for the app's broker
+(its own connection); ``fetch_source_for(...)`` the worker's
+:class:`~.base.FetchSource` on a consumer's channel.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .amqp import AmqpAdapter
-from .base import BrokerAdapter
-from .redis import RedisAdapter
+from ..served import ServedQueues
+from ..settings import PrioSettings
+from .amqp import AmqpAdapter, AmqpFetchSource
+from .base import Broker, BrokerFigures, FetchSource, Job, Take
+from .redis import RedisAdapter, RedisFetchSource
+
+SUPPORTED = "celery-prio supports the redis and amqp (RabbitMQ) transports"
 
 
-def adapter_for(app: Any) -> BrokerAdapter:
+def adapter_for(app: Any) -> Broker:
     conn = app.connection_for_write()
     kind = conn.transport.driver_type
     if kind == "redis":
         return RedisAdapter(app)
     if kind == "amqp":
         return AmqpAdapter(app)
-    raise ValueError(f"celery-prio supports the redis and amqp (RabbitMQ) transports, not {kind!r}")
+    raise ValueError(f"{SUPPORTED}, not {kind!r}")
 
 
-__all__ = ["AmqpAdapter", "BrokerAdapter", "RedisAdapter", "adapter_for"]
+def fetch_source_for(
+    app: Any, connection: Any, served: ServedQueues, settings: PrioSettings, worker_name: str
+) -> FetchSource:
+    """A fetch source on a channel of its own: its round trips and the acks of what it took live there."""
+    kind = connection.transport.driver_type
+    if kind == "redis":
+        return RedisFetchSource(app, connection.channel(), served, settings, worker_name)
+    if kind == "amqp":
+        return AmqpFetchSource(app, connection.channel(), served, settings)
+    raise ValueError(f"{SUPPORTED}, not {kind!r}")
+
+
+__all__ = [
+    "AmqpAdapter",
+    "Broker",
+    "BrokerFigures",
+    "FetchSource",
+    "Job",
+    "RedisAdapter",
+    "Take",
+    "adapter_for",
+    "fetch_source_for",
+]

@@ -20,11 +20,12 @@ from amqp.exceptions import NotFound, PreconditionFailed
 from kombu import Exchange, Queue
 
 from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER, PROMOTED_SUFFIX
+from ..served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import death_records
 from .amqp_management import management_client
-from .base import BrokerAdapter
+from .base import Broker, FetchSource, Take
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     return channel
 
 
-class AmqpAdapter(BrokerAdapter):
+class AmqpAdapter(Broker):
     kind = "amqp"
 
     def __init__(self, app: Any) -> None:
@@ -305,15 +306,54 @@ def describe_dead(headers: Any) -> dict[str, Any]:
     }
 
 
-class AmqpFetcher:
-    """``basic_get`` for the worker, guarded: what cannot be read goes to the dead letters, never into Celery."""
+#: An empty queue is re-asked after poll_interval / 10 at the soonest: on a
+#: busy worker asking it on every fetch would double the round trips.
+PROBE_FRACTION = 1 / 10
 
-    def __init__(self, channel: Any, settings: PrioSettings) -> None:
-        self.channel = channel
-        self.settings = settings
+
+class AmqpFetchSource(FetchSource):
+    """The worker's RabbitMQ side: ``basic_get`` per queue, guarded.
+
+    What cannot be read goes to the dead letters (published with a confirm
+    before the original is acked), never into Celery. py-amqp's basic_get
+    blocks on a round trip and dispatches other channels' frames
+    re-entrantly, so this runs from the worker's loop, never from inside a
+    message callback.
+    """
+
+    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings) -> None:
+        from kombu.serialization import prepare_accept_content
+
+        super().__init__(served, settings)
+        self.channel = declare_tier_queues(channel, settings)
+        self.accept = prepare_accept_content(app.conf.accept_content)
+        self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
+        self._probe_interval = settings.poll_interval * PROBE_FRACTION
+
+    def take(self, order: list[Tier]) -> Take:
+        now = time.monotonic()
+        empty: list[Tier] = []
+        for tier in order:
+            asked = False
+            for candidate in self.served.candidates(tier):
+                if now - self._empty_at.get(candidate.name, float("-inf")) < self._probe_interval:
+                    continue
+                asked = True
+                took, message = self.get(candidate.name)
+                if took and message is None:
+                    return Take(dead_lettered=1, empty=tuple(empty))
+                if message is not None:
+                    self.served.took(candidate)
+                    message.accept = self.accept
+                    return Take(tier, message, tuple(empty))
+                self._empty_at[candidate.name] = now
+            if asked:  # a tier whose queues were all skipped is not known to be empty
+                empty.append(tier)
+        return Take(empty=tuple(empty))
 
     def get(self, queue: str) -> tuple[bool, Any]:
         """``(took, message)``: ``(False, None)`` empty; ``(True, None)`` one was dead-lettered, ask again."""
+        self.broker_calls += 1
         raw = self.channel.basic_get(queue=queue, no_ack=False)
         if raw is None:
             return False, None
@@ -327,7 +367,6 @@ class AmqpFetcher:
         return True, message
 
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
-        """Copy a fetched message to the dead letters (confirmed); the caller then acks or rejects it."""
         self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
 
     def _publish_dead(self, body: Any, properties: dict, reason: str, queue: str, tier: Tier | None) -> None:

@@ -1,23 +1,128 @@
-"""What every broker adapter offers."""
+"""What the worker and the operator tools ask of a broker: the only interface outside ``brokers/``.
+
+Two halves, one per connection:
+
+* :class:`FetchSource` — bound to a worker consumer's own channel: takes the
+  next message for an ordered list of tiers, copies unrunnable messages to
+  the dead letters, names the housekeeping jobs the broker needs on the
+  worker's event loop, and reads broker-wide figures for the worker report.
+* :class:`Broker` — a connection of its own, for CLIs, exporters and tests:
+  depths, counters, drain rates, oldest age, dead letters, aging.
+
+``RedisFetchSource``/``RedisAdapter`` and ``AmqpFetchSource``/``AmqpAdapter``
+implement them completely, ``MemoryFetchSource`` the first for fast tests;
+nothing outside ``brokers/`` branches on the broker kind.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..served import ServedQueues
+from ..settings import PrioSettings
+from ..tiers import Tier
 
-class BrokerAdapter:
+
+@dataclass
+class Take:
+    """What one fetch found."""
+
+    tier: Tier | None = None  # the tier the message came from
+    message: Any = None  # a kombu Message, or None
+    empty: tuple[Tier, ...] = ()  # tiers found empty on the way (the scheduler stops banking their time)
+    dead_lettered: int = 0  # malformed elements moved to the dead letters instead: ask again at once
+
+
+@dataclass(frozen=True)
+class Job:
+    """A housekeeping job the worker runs on its event loop every ``interval`` seconds."""
+
+    interval: float
+    run: Callable[[], None]
+    name: str
+
+
+@dataclass
+class BrokerFigures:
+    """Broker-wide figures a worker reports, read on its own loop (never from the metrics thread)."""
+
+    counters: dict[str, int] | None = None  # None: the broker keeps none (RabbitMQ)
+    oldest_age: dict[Tier, float | None] = field(default_factory=dict)  # at ``read_at``; None: unknown
+    read_at: float = 0.0
+
+
+class FetchSource(ABC):
+    """The worker's side of a broker, on the consumer's channel."""
+
+    def __init__(self, served: ServedQueues, settings: PrioSettings) -> None:
+        self.served = served
+        self.settings = settings
+        self.broker_calls = 0  # round trips made by take(); reported, and bounded while idle (tested)
+
+    @abstractmethod
+    def take(self, order: list[Tier]) -> Take:
+        """The oldest message of the first tier in ``order`` that has one (promoted sub-queue first)."""
+
+    @abstractmethod
+    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+        """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
+
+    def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
+        """Jobs this broker needs on the worker's loop (``dispatched`` gives the counts per tier so far)."""
+        return []
+
+    def broker_figures(self, now: float) -> BrokerFigures:
+        """Counters and oldest ages, for the worker report. Called on the worker's loop."""
+        return BrokerFigures(read_at=now)
+
+
+class Broker(ABC):
+    """A broker seen from outside a worker (CLI, exporter, tests), on a connection of its own."""
+
     kind = "?"
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
+    @abstractmethod
     def depth(self, queue: str) -> int:
-        """Messages waiting in ``queue`` (not counting those held unacked by workers)."""
-        raise NotImplementedError
+        """Messages waiting in ``queue`` (not counting those held unacked by workers); 0 if it does not exist."""
 
+    @abstractmethod
     def delete_queues(self, queues: list[str]) -> None:
         """Remove queues and everything in them (tests and ``prio purge``)."""
-        raise NotImplementedError
 
+    def counters(self, settings: PrioSettings) -> dict[str, int] | None:
+        """Broker-wide rejected/dropped/promoted/dead-lettered counts; None where the broker keeps none."""
+        return None
+
+    @abstractmethod
+    def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
+        """Messages per second leaving ``tier`` lately (0.0 when unknown)."""
+
+    def oldest_age(self, queue: str, now: float) -> float | None:
+        """Seconds the oldest message of ``queue`` has waited; None when empty or unknown."""
+        return None
+
+    @abstractmethod
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+        """Dead letters, oldest first: ``{"id", "task", "reason", "queue", "at"}``; never raises on bad entries."""
+
+    @abstractmethod
+    def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int, int]:
+        """Back to this app's tier queues only: ``(moved, left, skipped)``; stops at a full tier."""
+
+    @abstractmethod
+    def dead_purge(self, settings: PrioSettings) -> int:
+        """Delete every dead letter; how many there were."""
+
+    def promote_aged(self, settings: PrioSettings, tier: Tier, now: float) -> int:
+        """One aging pass over ``tier``; 0 where the broker ages by itself (RabbitMQ)."""
+        return 0
+
+    @abstractmethod
     def close(self) -> None:
         """Release connections."""

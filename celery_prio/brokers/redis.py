@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..aging import plan_promotions
 from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
+from ..served import AGING_TIERS, Candidate, ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import decode_redis_element, enqueue_age
-from .base import BrokerAdapter
+from .base import Broker, BrokerFigures, FetchSource, Job, Take
 from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, PROMOTE, STAMP
 from .redis_transport import drain_rate
 
@@ -26,7 +28,7 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-class RedisAdapter(BrokerAdapter):
+class RedisAdapter(Broker):
     kind = "redis"
 
     def __init__(self, app: Any, client: Any = None) -> None:
@@ -183,52 +185,57 @@ def describe_dead_entry(raw: bytes) -> dict[str, Any]:
 #: How often a worker returns messages whose consumer died (unacked for longer
 #: than the visibility timeout) to their queues.
 RESTORE_INTERVAL = 10.0
+#: How often a worker reports its per-tier take rate (publishers' Retry-After).
+RATE_INTERVAL = 2.0
 
 
-def restore_expired_unacked(channel: Any) -> None:
-    """Put back messages a dead worker took but never acked.
+class RedisFetchSource(FetchSource):
+    """The worker's Redis side: one round trip per fetch, over every served list in order.
 
-    kombu does this only for channels with ``basic_consume`` subscriptions;
-    a celery-prio worker fetches with ``basic_get`` and so must ask itself.
-    The scan is guarded by kombu's Redis mutex, so workers can all call it.
-    """
-    try:
-        channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
-    except channel.connection_errors:
-        pass  # broken connection: the consumer reconnects, the next round retries
-
-
-def report_drain_rates(channel: Any, stats_key: str, worker: str, rates: dict[Tier, float]) -> None:
-    """Publish this worker's per-tier take rate; publishers turn it into Retry-After."""
-    now = time.time()
-    mapping = {f"{worker}|{tier.label}": f"{rate:.4f} {now:.3f}" for tier, rate in rates.items()}
-    try:
-        channel.client.hset(f"{stats_key}.rates", mapping=mapping)
-    except channel.connection_errors:
-        pass
-
-
-class RedisFetcher:
-    """One round trip per fetch on Redis: the first message of several lists, recorded unacked.
-
-    Used by the worker instead of one ``basic_get`` per list: an empty tier
-    costs nothing extra, and the message is in kombu's unacked hash (so a
-    dead worker's message is restored) from the instant it leaves its list.
-    Elements that are not kombu messages are moved to the dead letters by
-    the same script, with their reason; they never reach Celery.
+    One script takes the oldest message of the first non-empty list and
+    records it unacked, atomically: an empty tier costs nothing extra, and the
+    message is in kombu's unacked hash (so a dead worker's message is
+    restored) from the instant it leaves its list. Elements that are not
+    kombu messages are moved to the dead letters by the same script, with
+    their reason; they never reach Celery.
     """
 
-    def __init__(self, channel: Any, settings: PrioSettings) -> None:
+    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings, worker_name: str) -> None:
+        from kombu.serialization import prepare_accept_content
         from kombu.transport import virtual
 
+        super().__init__(served, settings)
         self.channel = channel
-        self.settings = settings
+        self.worker_name = worker_name
+        self.accept = prepare_accept_content(app.conf.accept_content)
+        self.adapter = RedisAdapter(app, client=channel.client)
         self._script = channel.client.register_script(FETCH)
         self._dead_letter = channel.client.register_script(DEAD_LETTER)
         self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
+        self._rate_mark: tuple[float, dict[Tier, int]] | None = None
 
     def keys_for(self, queue: str) -> list[str]:
         return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
+
+    def take(self, order: list[Tier]) -> Take:
+        keys: list[str] = []
+        owners: list[Candidate] = []
+        for tier in order:
+            for candidate in self.served.candidates(tier):
+                for key in self.keys_for(candidate.name):
+                    keys.append(key)
+                    owners.append(candidate)
+        self.broker_calls += 1
+        hit = self.fetch(keys, [c.tier for c in owners])
+        if hit is None:
+            return Take(empty=tuple(order))
+        index, message = hit
+        if message is None:
+            return Take(dead_lettered=1)
+        candidate = owners[index]
+        self.served.took(candidate)
+        message.accept = self.accept
+        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]))
 
     def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
@@ -263,21 +270,13 @@ class RedisFetcher:
             except Exception as exc:  # e.g. a body that is not valid base64
                 problem = f"malformed: kombu cannot read it ({exc!r})"
         if message is None:
-            tag = payload["properties"]["delivery_tag"] if payload else self._tag_of(raw)
+            tag = payload["properties"]["delivery_tag"] if payload else _tag_of(raw)
             self._dead_letter_raw(raw, problem or "malformed", tiers[position], keys[position], tag)
             return position, None
         message.prio_raw = raw  # dead-lettering later keeps the element exactly as it was
         message.prio_queue = keys[position]
         self._local_append(channel.qos, message, message.delivery_tag)
         return position, message
-
-    @staticmethod
-    def _tag_of(raw: Any) -> str:
-        try:
-            tag = json.loads(raw)["properties"]["delivery_tag"]
-        except Exception:
-            return ""
-        return tag if isinstance(tag, str) else ""
 
     def _dead_letter_raw(self, raw: Any, reason: str, tier: Tier, queue: str, tag: str) -> None:
         logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
@@ -294,5 +293,60 @@ class RedisFetcher:
         )
 
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
-        """Copy a fetched message, untouched, to the dead letters; the caller then acks or rejects it."""
         self._dead_letter_raw(message.prio_raw, reason, tier, getattr(message, "prio_queue", ""), "")
+
+    # -- housekeeping on the worker's loop --------------------------------------
+    def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
+        jobs = [
+            Job(RESTORE_INTERVAL, self._restore_expired_unacked, "restore unacked"),
+            Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
+        ]
+        if any(self.settings.aging[t] is not None for t in AGING_TIERS):
+            # Every worker ages, whatever its -Q: offline ages into batch with no offline worker at all.
+            jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
+        return jobs
+
+    def _restore_expired_unacked(self) -> None:
+        """Put back messages a dead worker took but never acked.
+
+        kombu does this only for channels with ``basic_consume`` subscriptions;
+        a celery-prio worker fetches with ``basic_get`` and so must ask itself.
+        The scan is guarded by kombu's Redis mutex, so workers can all call it.
+        """
+        channel = self.channel
+        try:
+            channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
+        except channel.connection_errors:
+            pass  # broken connection: the consumer reconnects, the next round retries
+
+    def _report_rates(self, counts: Mapping[Tier, int]) -> None:
+        """Publish this worker's per-tier take rate; publishers turn it into Retry-After."""
+        now = time.monotonic()
+        last_at, last = self._rate_mark or (now, dict(counts))
+        self._rate_mark = (now, dict(counts))
+        if now <= last_at:
+            return
+        wall = time.time()
+        mapping = {
+            f"{self.worker_name}|{tier.label}": f"{(counts[tier] - last[tier]) / (now - last_at):.4f} {wall:.3f}"
+            for tier in TIERS
+        }
+        self.channel.client.hset(f"{self.settings.stats_key}.rates", mapping=mapping)
+
+    def _age(self) -> None:
+        now = time.time()
+        for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
+            self.adapter.promote_aged(self.settings, tier, now)
+
+    def broker_figures(self, now: float) -> BrokerFigures:
+        wall = time.time()
+        oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
+        return BrokerFigures(counters=self.adapter.counters(self.settings), oldest_age=oldest, read_at=now)
+
+
+def _tag_of(raw: Any) -> str:
+    try:
+        tag = json.loads(raw)["properties"]["delivery_tag"]
+    except Exception:
+        return ""
+    return tag if isinstance(tag, str) else ""

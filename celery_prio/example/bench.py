@@ -1,9 +1,13 @@
 """Batch inference vs a loop of single-image forwards, same process, printed as a ratio.
 
-python -m tasks.bench [--images 2048] [--micro-batch 256]
+python -m celery_prio.example.bench [--images 2048] [--micro-batch 256]
 """
 
 from __future__ import annotations
+
+from celery_prio.extras import require
+
+require("demo", "python -m celery_prio.example.bench")
 
 import argparse
 import time
@@ -28,7 +32,7 @@ def measure(n: int, micro_batch: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m celery_prio.example.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=predict.MICRO_BATCH)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: plain Celery (FIFO, broker-native priority) vs celery-prio.
 
-    python -m celery_prio.bench --broker redis --broker amqp --duration 20
+    celery-prio bench --broker redis --broker amqp --duration 20
 
 For each broker it runs, in one process and one after the other:
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import redis
 
+from ..brokers import adapter_for
+from ..tiers import Tier
 from .benchapp import NATIVE_PRIORITY, make_app
-from .brokers import adapter_for
-from .tiers import Tier
 from .workers import WorkerProcess, free_port
 
 BROKER_URLS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
@@ -99,7 +99,7 @@ class Run:
             "BENCH_OPTIONS": json.dumps(self.app_options),
         }
         self.worker = WorkerProcess(
-            "celery_prio.benchapp",
+            "celery_prio.tools.benchapp",
             log_path=self.logdir / f"{self.prefix}-{self.mode}.log",
             concurrency=self.concurrency,
             env=env,
@@ -254,8 +254,8 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
     The backlog is filled with small stamped messages (not due) and ``aged``
     real task messages at the oldest end; the pass must not look further.
     """
-    from .brokers.redis import RedisAdapter
-    from .install import settings_for
+    from ..brokers.redis import RedisAdapter
+    from ..settings import settings_for
 
     results = {}
     for size in sizes:

@@ -1,6 +1,6 @@
 """The inference tasks (names are the public contract; JSON in and out).
 
-Thin Celery wrappers around ``tasks.predict``; torch is imported by that
+Thin Celery wrappers around ``predict``; torch is imported by that
 module, so only processes that run these tasks load it.
 """
 

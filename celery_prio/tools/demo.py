@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import QueueFull
-from .stats import percentile
+from ..errors import QueueFull
+from ..stats import percentile
 from .workers import WorkerProcess, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout, or site-packages
 TIER_TASKS = {
     "realtime": "tasks.inference.classify",
     "batch": "tasks.inference.classify_batch",
@@ -99,7 +99,7 @@ def _client(mode: str, broker: str, backend: str, prefix: str, prio: dict[str, A
     from celery import Celery
 
     import celery_prio
-    from config import celery as config
+    from celery_prio.example import config
 
     app = Celery(f"demo-{mode}", set_as_current=False)
     app.config_from_object(config)
@@ -112,7 +112,7 @@ def _client(mode: str, broker: str, backend: str, prefix: str, prio: dict[str, A
 
 
 def run_once(mode: str, broker: str, backend: str, cfg: DemoConfig, logdir: Path, progress) -> dict[str, Any]:
-    from tasks.data import held_out_split  # scikit-learn only: the library never imports torch
+    from celery_prio.example.data import held_out_split  # scikit-learn only: the library never imports torch
 
     prefix = f"demo{mode}{uuid.uuid4().hex[:6]}"
     prio = {"aging": {"offline": cfg.aging_offline_s, "batch": None}}
@@ -131,7 +131,7 @@ def run_once(mode: str, broker: str, backend: str, cfg: DemoConfig, logdir: Path
     batch_images = (images * (cfg.batch_size // len(images) + 1))[: cfg.batch_size]
     task = progress.add_task(f"{mode}: starting workers", total=cfg.duration)
     worker = WorkerProcess(
-        "tasks", log_path=logdir / f"worker-{mode}.log", concurrency=cfg.concurrency, env=env, cwd=ROOT
+        "celery_prio.example", log_path=logdir / f"worker-{mode}.log", concurrency=cfg.concurrency, env=env, cwd=ROOT
     )
     sent: dict[str, list[tuple[Any, float]]] = {t: [] for t in TIER_TASKS}
     refused = {t: 0 for t in TIER_TASKS}
@@ -228,8 +228,8 @@ def _ms(value: float | None) -> float | None:
 
 
 def _counters(app, prefix: str) -> dict[str, int]:
-    from .brokers import adapter_for
-    from .install import settings_for
+    from ..brokers import adapter_for
+    from ..settings import settings_for
 
     adapter = adapter_for(app)
     try:
@@ -239,7 +239,7 @@ def _counters(app, prefix: str) -> dict[str, int]:
 
 
 def _purge(app, prefix: str) -> None:
-    from .brokers import adapter_for
+    from ..brokers import adapter_for
 
     try:
         adapter = adapter_for(app)

@@ -66,7 +66,7 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
 
 
 def __getattr__(name: str) -> Celery:
-    # ``celery -A celery_prio.benchapp worker`` asks for ``app``.
+    # ``celery -A celery_prio.tools.benchapp worker`` asks for ``app``.
     if name == "app":
         env = os.environ
         options = json.loads(env.get("BENCH_OPTIONS") or "{}")

@@ -1,6 +1,6 @@
 """GPU check, for a machine with CUDA (finishes in well under 2 minutes).
 
-    python -m tasks.gpu_check [--gpus 0,1]
+    python -m celery_prio.example.gpu_check [--gpus 0,1]
 
 Prints the device, per-batch latency and throughput on the CPU and on the GPU,
 then starts a real ``celery -A tasks worker --gpus ...`` (Redis at
@@ -9,6 +9,10 @@ Without CUDA it says so and checks the CPU path only.
 """
 
 from __future__ import annotations
+
+from celery_prio.extras import require
+
+require("demo", "python -m celery_prio.example.gpu_check")
 
 import argparse
 import json
@@ -24,7 +28,7 @@ import torch
 
 from .model import PIXEL_MAX, held_out_split, load_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout, or site-packages
 
 
 def latency(device: torch.device, batch: int, repeats: int = 50) -> tuple[float, float]:
@@ -60,7 +64,7 @@ def check_worker(gpus: str) -> dict:
                 "-m",
                 "celery",
                 "-A",
-                "tasks",
+                "celery_prio.example",
                 "worker",
                 "-c",
                 str(2 * n),
@@ -78,7 +82,7 @@ def check_worker(gpus: str) -> dict:
             start_new_session=True,
         )
     try:
-        from tasks.app import app
+        from .app import app
 
         deadline = time.time() + 60
         while "ready." not in log.read_text() and time.time() < deadline:
@@ -92,7 +96,7 @@ def check_worker(gpus: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.gpu_check")
+    parser = argparse.ArgumentParser(prog="python -m celery_prio.example.gpu_check")
     parser.add_argument("--gpus", default=None, help="GPUs to pin the test worker to (default: all visible)")
     parser.add_argument("--no-worker", action="store_true", help="skip the pinned-worker check")
     args = parser.parse_args(argv)

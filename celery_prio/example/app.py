@@ -1,4 +1,4 @@
-"""The example Celery app: ``celery -A tasks worker [--gpus 0,1]``."""
+"""The example Celery app: ``celery -A tasks worker [--gpus 0,1]`` (or ``-A celery_prio.example``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import os
 from celery import Celery
 
 import celery_prio
-from config.celery import celery_prio_overrides
 
+from .config import celery_prio_overrides
 from .gpu import add_gpu_pinning
 from .warmup import add_model_warmup
 
-app = Celery("tasks", include=["tasks.inference"])
-app.config_from_object("config.celery")
+app = Celery("tasks", include=["celery_prio.example.inference"])
+app.config_from_object("celery_prio.example.config")
 if os.environ.get("TASKS_PLAIN_CELERY") == "1":
     # The demo's baseline: the same tasks and workers on one plain FIFO queue.
     app.conf.task_default_queue = os.environ.get("TASKS_PLAIN_QUEUE", "celery")

@@ -1,0 +1,153 @@
+"""What ``install()`` and the publish path need of a broker, chosen from the broker URL.
+
+Redis: capacity lives in an atomic publish script run by a kombu transport
+subclass (``redis_transport``), which refuses with ``QueueFull`` itself.
+RabbitMQ: capacity is queue arguments; a refusal reaches the publisher as a
+confirm nack, translated here to ``QueueFull``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kombu import Connection, Exchange, Queue
+
+from ..errors import ConfigError, QueueFull
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
+
+logger = logging.getLogger(__name__)
+
+REDIS_TRANSPORT_PATH = "celery_prio.brokers.redis_transport:Transport"
+
+
+class Publishing:
+    """Broker-specific set-up of an app; the default is a no-op."""
+
+    kind = "?"
+
+    def check(self, settings: PrioSettings) -> None:
+        """Refuse, before anything is declared, settings this broker cannot honour."""
+
+    def queues(self, settings: PrioSettings) -> list[Queue]:
+        """The three tier queues, declared like Celery's own (a direct exchange per queue)."""
+        out = []
+        for tier in TIERS:
+            name = settings.queue_name(tier)
+            out.append(Queue(name, Exchange(name, type="direct"), routing_key=name))
+        return out
+
+    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+        """Adjust ``broker_transport_options`` (and the transport) for capacity."""
+
+    def before_send(self, app: Any, settings: PrioSettings) -> None:
+        """Called before every publish through the app (cheap after the first)."""
+
+    def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:
+        """``QueueFull`` when ``exc`` is this broker saying the tier is full; else None."""
+        return None
+
+
+class RedisPublishing(Publishing):
+    kind = "redis"
+
+    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+        # Capacity on Redis lives in an atomic publish script (kombu's Redis
+        # transport has no max-length); the subclass runs it for tier queues.
+        use_capped_redis_transport()
+        if (app.conf.broker_url or "").startswith("sentinel://"):
+            logger.warning(
+                "celery-prio: prio_max_length is not enforced on sentinel:// brokers "
+                "(kombu's Sentinel transport keeps its own publish)"
+            )
+        options["prio_caps"] = {
+            settings.queue_name(t): [cap, settings.overflow[t], t.label]
+            for t, cap in settings.max_length.items()
+            if cap is not None
+        }
+        options["prio_dead_queue"] = settings.dead_letter_queue
+        options["prio_stats_key"] = settings.stats_key
+
+
+class AmqpPublishing(Publishing):
+    kind = "amqp"
+
+    def __init__(self) -> None:
+        self._declared = threading.Event()
+
+    def check(self, settings: PrioSettings) -> None:
+        tier = Tier.BATCH  # the only tier that both receives promotions and can age
+        if settings.overflow[tier] == "drop_oldest" and settings.aging[tier] is not None:
+            raise ConfigError(
+                f"prio_overflow[{tier.label}]='drop_oldest' with prio_aging[{tier.label}]="
+                f"{settings.aging[tier]!r} is not supported on RabbitMQ: a message promoted into "
+                f"{tier.label} could not be told apart from an evicted one. Use 'reject', or "
+                f"prio_aging[{tier.label}]=None"
+            )
+
+    def queues(self, settings: PrioSettings) -> list[Queue]:
+        from .amqp import tier_queue  # carries the capacity and aging queue arguments
+
+        return [tier_queue(settings, tier) for tier in TIERS]
+
+    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+        if any(settings.max_length[t] is not None and settings.overflow[t] == "reject" for t in TIERS):
+            # A full reject-publish queue only tells a publisher that uses confirms
+            # (one broker round trip per publish: the price of never losing one).
+            options["confirm_publish"] = True
+
+    def before_send(self, app: Any, settings: PrioSettings) -> None:
+        if not self._declared.is_set():
+            from .amqp import declare_tier_queues
+
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=3)
+                declare_tier_queues(conn.channel(), settings)
+            self._declared.set()
+
+    def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:
+        from amqp.exceptions import MessageNacked
+
+        from .amqp import refusal_figures
+
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            if isinstance(exc, MessageNacked):
+                depth, rate = refusal_figures(app, settings, tier)
+                return QueueFull.from_drain_rate(tier, depth, rate)
+            seen.add(id(exc))
+            exc = exc.__cause__ or exc.__context__
+        return None
+
+
+def use_capped_redis_transport() -> None:
+    """Point kombu's ``redis``/``rediss`` names at our transport subclass.
+
+    Through kombu's own alias table rather than ``broker_transport``: URLs keep
+    their ``redis://`` scheme, so tools that read the broker URL back (Flower's
+    broker page, ``as_uri()`` in logs) still see Redis. The subclass differs
+    only for queues named in ``prio_caps`` transport options, so other Redis
+    connections in the process behave exactly as before.
+    """
+    from kombu import transport
+
+    for name in ("redis", "rediss"):
+        if transport.TRANSPORT_ALIASES.get(name) != REDIS_TRANSPORT_PATH:
+            transport.TRANSPORT_ALIASES[name] = REDIS_TRANSPORT_PATH
+            transport._transport_cache.pop(name, None)  # a class resolved before install()
+
+
+def publishing_for(app: Any) -> Publishing:
+    """The broker's publish-side support, from the broker URL (no connection made)."""
+    url = app.conf.broker_write_url or app.conf.broker_url or "amqp://"
+    if isinstance(url, (list, tuple)):
+        url = url[0]
+    scheme = url.split("://", 1)[0]
+    if scheme in ("redis", "rediss", "sentinel"):
+        return RedisPublishing()
+    if scheme in ("amqp", "amqps", "pyamqp"):
+        return AmqpPublishing()
+    kind = Connection(url).transport.driver_type
+    return {"redis": RedisPublishing, "amqp": AmqpPublishing}.get(kind, Publishing)()

@@ -1,0 +1,137 @@
+"""The fetch loop: one message per free slot, from the tier the scheduler names.
+
+No Celery and no broker here: the loop is given a :class:`FetchSource`, a
+scheduler, a clock and a way to schedule callbacks (the worker's event loop,
+or a simulated one in tests), and hands each message to ``deliver``.
+``consumer.py`` is the Celery wiring around it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container, Hashable
+from typing import Any, Protocol
+
+from .brokers.base import FetchSource
+from .ledger import Ledger
+from .scheduler import TierScheduler
+from .stats import WorkerStats
+from .tiers import Tier
+
+logger = logging.getLogger(__name__)
+
+# Back-off while every served tier is empty: start fast so a burst after a
+# short lull is picked up at once, settle at ``poll_interval`` so an idle
+# worker makes a bounded number of broker calls per second.
+MIN_BACKOFF_FRACTION = 1 / 16
+
+
+class EventLoop(Protocol):
+    """What the loop needs of an event loop (kombu's Hub has these)."""
+
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> Any: ...
+    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any: ...
+
+
+class FetchLoop:
+    def __init__(
+        self,
+        source: FetchSource,
+        scheduler: TierScheduler,
+        stats: WorkerStats,
+        loop: EventLoop,
+        cancel: Callable[[Any], None],
+        clock: Callable[[], float],
+        poll_interval: float,
+        reraise: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self.source = source
+        self.scheduler = scheduler
+        self.stats = stats
+        self.ledger = Ledger()
+        self.loop = loop
+        self.cancel_timer = cancel
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.reraise = reraise  # connection errors: the consumer reconnects and builds a new loop
+        self.deliver: Callable[[Tier, Any], None] | None = None
+        self.active = False
+        self.fetching: Tier | None = None  # the tier of the message being delivered right now
+        self._timer: Any = None
+        self._backoff = poll_interval * MIN_BACKOFF_FRACTION
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        if not self.active:
+            self.active = True
+            self.loop.call_soon(self.pump)
+
+    def stop(self) -> None:
+        self.active = False
+        if self._timer is not None:
+            self.cancel_timer(self._timer)
+            self._timer = None
+
+    # -- the loop ------------------------------------------------------------
+    def pump(self) -> None:
+        """Fill free slots; when every served tier is empty, retry after a back-off."""
+        if self._timer is not None:  # called early (a slot freed): drop the pending retry
+            self.cancel_timer(self._timer)
+            self._timer = None
+        if not self.active or self.deliver is None:
+            return
+        try:
+            self._fill_slots()
+        except self.reraise:
+            raise
+        except Exception:
+            # Whatever went wrong, the loop goes on: a worker that stops
+            # pumping answers ping and runs nothing.
+            logger.exception("celery-prio: fetch failed; retrying")
+            self._retry_later()
+
+    def _fill_slots(self) -> None:
+        # Bounded per turn: messages that take no slot (ETA, rate limited,
+        # rejected, dead-lettered) must not keep the event loop here.
+        for _ in range(2 * self.scheduler.concurrency + 2):
+            order = self.scheduler.order()
+            if not order:
+                return  # no free slot: a finishing task calls pump again
+            take = self.source.take(order)
+            for tier in take.empty:
+                self.scheduler.empty(tier)
+                self.stats.observe_empty(tier)
+            if take.message is None:
+                if take.dead_lettered:
+                    continue
+                self._retry_later()
+                return
+            self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
+            self.fetching = take.tier
+            try:
+                self.deliver(take.tier, take.message)
+            finally:
+                self.fetching = None
+        self.loop.call_soon(self.pump)
+
+    def _retry_later(self) -> None:
+        if self._timer is None and self.active:
+            self._timer = self.loop.call_later(self._backoff, self.pump)
+            self._backoff = min(self._backoff * 2, self.poll_interval)
+
+    # -- slots -------------------------------------------------------------
+    def started(self, key: Hashable, tier: Tier) -> None:
+        """A delivered message took a slot (Celery handed its request to the pool)."""
+        self.ledger.start(key, tier, self.scheduler.dispatched(tier), self.clock())
+
+    def settle(self, still_held: Container) -> None:
+        """Retire what no longer holds a slot, charge its run time, refill."""
+        settled = self.ledger.settle(still_held, self.clock())
+        if not settled:
+            return
+        for s in settled:
+            self.scheduler.finished(s.tier, s.runtime, s.charge)
+            self.stats.observe_run(s.tier, s.runtime)
+        if self.active:
+            self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
+            self.pump()

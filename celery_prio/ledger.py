@@ -1,0 +1,54 @@
+"""What a worker is running, per tier, so the scheduler can be charged the real run time. Pure.
+
+Celery gives no reliable "this request ended" callback for every path (a
+revoke before it ran, a cancelled job), so the consumer asks Celery which
+requests it still holds and settles every other one here. The clock is
+passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Hashable
+from dataclasses import dataclass
+
+from .tiers import Tier
+
+
+@dataclass(frozen=True)
+class Entry:
+    tier: Tier
+    started: float
+    charge: float  # what the scheduler charged at dispatch (see TierScheduler.dispatched)
+
+
+@dataclass(frozen=True)
+class Settled:
+    tier: Tier
+    runtime: float
+    charge: float
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def start(self, key: Hashable, tier: Tier, charge: float, now: float) -> None:
+        self._entries[key] = Entry(tier, now, charge)
+
+    def settle(self, still_held: Container, now: float) -> list[Settled]:
+        """Retire every entry whose key is no longer in ``still_held``; what each ran for."""
+        done = [key for key in self._entries if key not in still_held]
+        out = []
+        for key in done:
+            entry = self._entries.pop(key)
+            out.append(Settled(entry.tier, max(0.0, now - entry.started), entry.charge))
+        return out
+
+    def running(self, tier: Tier) -> int:
+        return sum(1 for e in self._entries.values() if e.tier is tier)

@@ -1,0 +1,120 @@
+"""The worker report: one typed object, built in one place.
+
+It feeds ``inspect prio_stats`` and ``inspect stats`` (as a dict: JSON goes
+over the wire), the Prometheus exporter (read as attributes), and
+``prio status`` (which turns the replies back into reports with
+:meth:`WorkerReport.from_dict`). Building it makes no broker call: broker-wide
+figures come from :class:`~celery_prio.brokers.base.BrokerFigures`, read
+earlier on the worker's own loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from .brokers.base import BrokerFigures
+from .scheduler import TierScheduler
+from .served import ServedQueues
+from .stats import WorkerStats
+from .tiers import TIERS
+
+
+@dataclass
+class TierReport:
+    queues: list[str] = field(default_factory=list)
+    dispatched: int = 0
+    finished: int = 0
+    running: int = 0
+    busy_seconds: float = 0.0
+    slot_time_share: float = 0.0
+    configured_share: float = 0.0
+    runtime_estimate_s: float = 0.0
+    oldest_wait_s: float | None = None
+    # Broker-wide counters (Redis keeps them; None on RabbitMQ).
+    promoted: int | None = None
+    rejected: int | None = None
+    dropped: int | None = None
+    dead_lettered: int | None = None
+    wait_p50_ms: float | None = None
+    wait_p99_ms: float | None = None
+    wait_max_s: float = 0.0
+    run_p50_ms: float | None = None
+    run_p99_ms: float | None = None
+    promoted_seen: int = 0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TierReport:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data if isinstance(data, dict) else {}).items() if k in known})
+
+
+@dataclass
+class WorkerReport:
+    concurrency: int = 0
+    reserve: int = 0
+    scheduler: str = "time"
+    broker_calls: int = 0
+    polled_queues: list[str] = field(default_factory=list)
+    tiers: dict[str, TierReport] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> WorkerReport | None:
+        """A report from an ``inspect`` reply; None for a reply that is not one (another consumer, an error)."""
+        if not isinstance(data, dict) or not isinstance(data.get("tiers"), dict):
+            return None
+        known = {f.name for f in fields(cls)} - {"tiers"}
+        report = cls(**{k: v for k, v in data.items() if k in known})
+        report.tiers = {t.label: TierReport.from_dict(data["tiers"].get(t.label)) for t in TIERS}
+        return report
+
+
+def build_report(
+    scheduler: TierScheduler,
+    stats: WorkerStats,
+    served: ServedQueues,
+    broker: BrokerFigures,
+    broker_calls: int,
+    now: float,
+) -> WorkerReport:
+    shares = scheduler.shares()
+    configured = scheduler.configured_shares()
+    counters = broker.counters
+    tiers = {}
+    for tier, st in scheduler.tiers.items():
+        if tier in broker.oldest_age:
+            age = broker.oldest_age[tier]
+            oldest = None if age is None else age + max(0.0, now - broker.read_at)
+        else:
+            oldest = stats.oldest_wait(tier, now)
+
+        def counted(name: str, tier_label: str = tier.label) -> int | None:
+            return None if counters is None else counters.get(f"{name}:{tier_label}", 0)
+
+        tiers[tier.label] = TierReport(
+            queues=list(served.by_tier[tier]),
+            dispatched=st.dispatched,
+            finished=st.finished,
+            running=st.running,
+            busy_seconds=round(st.busy_seconds, 3),
+            slot_time_share=round(shares[tier], 4),
+            configured_share=round(configured[tier], 4),
+            runtime_estimate_s=round(st.estimate, 4),
+            oldest_wait_s=None if oldest is None else round(oldest, 3),
+            promoted=counted("promoted"),
+            rejected=counted("rejected"),
+            dropped=counted("dropped"),
+            dead_lettered=counted("dead_lettered"),
+            **stats.summary(tier),
+        )
+    return WorkerReport(
+        concurrency=scheduler.concurrency,
+        reserve=scheduler.reserve,
+        scheduler=scheduler.mode,
+        broker_calls=broker_calls,
+        polled_queues=served.all_names(),
+        tiers=tiers,
+    )

@@ -1,0 +1,222 @@
+"""The object that stands where Celery keeps ``consumer.task_consumer``.
+
+It quacks like a ``kombu.Consumer`` (``queues``, ``add_queue``,
+``cancel_by_queue``, ``consuming_from``, ``consume``, ``cancel``, ``close``),
+so ``inspect active_queues``, ``add_consumer``/``cancel_consumer``, warm
+shutdown and Flower keep working, and it connects Celery's task handler to
+the fetch loop: what Celery is handed, what cannot run (dead letters), what
+ended (the ledger), what the worker reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery.utils.log import get_logger
+from celery.worker import state as worker_state
+from celery.worker.consumer import Consumer
+
+from .brokers import BrokerFigures, Job, fetch_source_for
+from .fetchloop import FetchLoop
+from .headers import PROMOTED_HEADER
+from .report import WorkerReport, build_report
+from .scheduler import TierScheduler
+from .served import ServedQueues
+from .settings import PrioSettings
+from .stats import WorkerStats
+from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
+
+logger = get_logger(__name__)
+
+RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
+FIGURES_INTERVAL = 2.0  # seconds between reads of broker-wide figures for the report
+
+
+class TierFetcher:
+    """``consumer.task_consumer`` for celery-prio: kombu's Consumer interface over the fetch loop."""
+
+    def __init__(self, consumer: Consumer, settings: PrioSettings) -> None:
+        self.c = consumer
+        self.settings = settings
+        self.hub = consumer.hub
+        if self.hub is None:
+            raise RuntimeError(
+                "celery-prio needs Celery's event loop (prefork, threads or solo pool); "
+                "gevent/eventlet pools are not supported"
+            )
+        self.queues: list[Any] = []
+        self.served = ServedQueues(settings)
+        self.source = fetch_source_for(consumer.app, consumer.connection, self.served, settings, consumer.hostname)
+        self.channel = self.source.channel
+        concurrency = self._concurrency()
+        self.scheduler = TierScheduler(
+            weights=settings.weights,
+            concurrency=concurrency,
+            reserve=settings.effective_reserve(concurrency),
+            min_share=settings.min_share,
+            mode=settings.scheduler,
+        )
+        self.stats = WorkerStats()
+        self.loop = FetchLoop(
+            self.source,
+            self.scheduler,
+            self.stats,
+            loop=self.hub,
+            cancel=self.hub.timer.cancel,
+            clock=time.monotonic,
+            poll_interval=settings.poll_interval,
+            reraise=tuple(consumer.connection_errors),
+        )
+        self.figures = BrokerFigures()
+        self._housekeeping: list[Any] = []
+        self._settle_scheduled = False
+        for queue in consumer.app.amqp.queues.consume_from.values():
+            self.add_queue(queue)
+
+    # -- kombu.Consumer look-alike ------------------------------------------
+    @property
+    def on_message(self) -> Any:
+        return self.loop.deliver
+
+    @on_message.setter
+    def on_message(self, handler: Any) -> None:  # set by Celery's loop to its task handler
+        self.loop.deliver = None if handler is None else (lambda tier, message: self._deliver(handler, message))
+
+    @property
+    def active(self) -> bool:
+        return self.loop.active
+
+    def add_queue(self, queue: Any) -> Any:
+        if not self.consuming_from(queue.name):
+            queue = queue.bind(self.channel)
+            queue.declare()
+            self.queues.append(queue)
+            self._update_served()
+        return queue
+
+    def consuming_from(self, queue: Any) -> bool:
+        name = getattr(queue, "name", queue)
+        return any(q.name == name for q in self.queues)
+
+    def cancel_by_queue(self, queue: str) -> None:
+        self.queues = [q for q in self.queues if q.name != queue]
+        self._update_served()
+
+    def consume(self, no_ack: bool | None = None) -> None:
+        if self.loop.active:
+            return
+        self.loop.start()
+        jobs = [
+            # Safety net for requests that end without a pool callback
+            # (revoked before they ran, cancelled): retire them anyway.
+            Job(RECONCILE_INTERVAL, self._settle, "settle ended requests"),
+            Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
+            *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
+        ]
+        self._read_figures()
+        self._housekeeping = [self.hub.call_repeatedly(job.interval, _guarded(job)) for job in jobs]
+
+    def cancel(self) -> None:
+        self.loop.stop()
+        for entry in self._housekeeping:
+            self.hub.timer.cancel(entry)
+        self._housekeeping.clear()
+
+    def close(self) -> None:
+        # The channel closes with the connection; closing it here would make
+        # the Redis transport restore messages whose acks_late tasks are
+        # still finishing during a warm shutdown.
+        self.cancel()
+
+    def qos(self, prefetch_count: int = 0, **_: Any) -> None:
+        """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
+
+    # -- wiring ------------------------------------------------------------------
+    def _concurrency(self) -> int:
+        controller = self.c.controller
+        limit = getattr(controller, "max_concurrency", None) or getattr(self.c.pool, "num_processes", None)
+        return max(int(limit or 1), 1)
+
+    def _update_served(self) -> None:
+        self.served.set_names(q.name for q in self.queues)
+        self.scheduler.set_served(self.served.tiers)
+
+    def track(self, request: Any) -> None:
+        """Called for every request Celery hands to the pool."""
+        tier = self.loop.fetching
+        if tier is None:  # an ETA or rate-limited request whose time has come
+            tier = self.served.tier_of((request.delivery_info or {}).get("routing_key") or "")
+        self.loop.started(request, tier)
+
+    def slot_freed(self) -> None:
+        """A pool job ended (any thread): settle and refill from the event loop.
+
+        Via ``call_soon`` on purpose: it runs at the top of the next loop turn,
+        before the prefork pool's on-tick hook that registers pipe writes for
+        queued jobs. Fetching from an on-tick hook of our own would race that
+        hook and could leave a job unwritten until the next poll timeout.
+        """
+        if not self._settle_scheduled:
+            self._settle_scheduled = True
+            self.hub.call_soon(self._settle)
+
+    def _settle(self) -> None:
+        self._settle_scheduled = False
+        self.loop.settle(worker_state.reserved_requests)
+
+    def _read_figures(self) -> None:
+        self.figures = self.source.broker_figures(time.monotonic())
+
+    def dead_letter(self, message: Any, reason: str) -> None:
+        """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""
+        tier = self.loop.fetching
+        if tier is None:
+            tier = self.served.tier_of(getattr(message, "prio_queue", "") or "")
+        self.source.dead_letter(message, reason[:500], tier)
+
+    def _deliver(self, handler: Any, message: Any) -> None:
+        """Hand one message to Celery; anything that cannot run goes to the dead letters, never up the stack."""
+        tier = self.loop.fetching
+        if message.errors:
+            try:
+                message._reraise_error()  # kombu keeps the decode error on the message
+            except Exception as exc:  # Celery's handler (PrioConsumer's, below) dead-letters it and acks
+                self.c.on_decode_error(message, exc)
+            return
+        problem = headers_problem(message.headers)
+        if problem is not None:
+            self.dead_letter(message, problem)
+            message.ack()
+            return
+        headers = message.headers or {}
+        now = time.time()
+        promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
+        self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
+        try:
+            handler(message)
+        except Exception as exc:  # Celery's handler let it through: still never lost, never fatal
+            logger.exception("celery-prio: could not hand a message to Celery")
+            if not message.acknowledged:
+                self.dead_letter(message, f"delivery failed: {exc!r}")
+                message.ack()
+
+    # -- reporting -----------------------------------------------------------
+    def report(self) -> WorkerReport:
+        """No broker call: safe from the metrics thread."""
+        return build_report(
+            self.scheduler, self.stats, self.served, self.figures, self.source.broker_calls, time.monotonic()
+        )
+
+    def info(self) -> dict[str, Any]:
+        return self.report().as_dict()
+
+
+def _guarded(job: Job) -> Any:
+    def run() -> None:
+        try:
+            job.run()
+        except Exception:  # housekeeping never stops a worker; the next round retries
+            logger.exception("celery-prio: %s failed", job.name)
+
+    return run

@@ -1,0 +1,197 @@
+"""The fetch loop, ledger and scheduler together, on the in-memory broker with a simulated clock.
+
+Fast and deterministic: what the real-broker tests show with real workers
+(time shares, headroom, idle back-off, bad messages), here in milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from celery_prio.brokers.memory import Malformed, MemoryFetchSource
+from celery_prio.fetchloop import FetchLoop
+from celery_prio.ledger import Ledger
+from celery_prio.scheduler import TierScheduler
+from celery_prio.served import ServedQueues
+from celery_prio.settings import load_settings
+from celery_prio.stats import WorkerStats
+from celery_prio.tiers import TIERS, Tier
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+
+
+class SimLoop:
+    """A virtual-time event loop with kombu Hub's call_soon/call_later."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+
+    def call_soon(self, callback, *args):
+        return self.call_later(0.0, callback, *args)
+
+    def call_later(self, delay, callback, *args):
+        entry = [self.now + delay, next(self._seq), callback, args, False]
+        heapq.heappush(self._events, entry)
+        return entry
+
+    @staticmethod
+    def cancel(entry) -> None:
+        entry[4] = True
+
+    def run_until(self, until: float) -> None:
+        while self._events and self._events[0][0] <= until:
+            at, _, callback, args, cancelled = heapq.heappop(self._events)
+            self.now = at
+            if not cancelled:
+                callback(*args)
+        self.now = until
+
+
+@dataclass(frozen=True)
+class Task:
+    tier: Tier
+    seconds: float
+    key: int
+
+
+@dataclass
+class SimWorker:
+    """Runs delivered tasks for their simulated duration and frees their slot."""
+
+    sim: SimLoop
+    loop: FetchLoop
+    held: set = field(default_factory=set)
+    runs: list = field(default_factory=list)  # (tier, start, end)
+    peak_low: int = 0
+
+    def deliver(self, tier: Tier, task: Task) -> None:
+        self.held.add(task.key)
+        self.loop.started(task.key, tier)
+        start = self.sim.now
+        self.peak_low = max(self.peak_low, self.loop.ledger.running(B) + self.loop.ledger.running(O))
+
+        def done() -> None:
+            self.held.discard(task.key)
+            self.runs.append((tier, start, self.sim.now))
+            self.loop.settle(self.held)
+
+        self.sim.call_later(task.seconds, done)
+
+
+def make(concurrency=4, **overrides):
+    settings = load_settings({}, {"queue_prefix": "m", **overrides})
+    served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
+    source = MemoryFetchSource(served, settings)
+    scheduler = TierScheduler(
+        weights=settings.weights,
+        concurrency=concurrency,
+        reserve=settings.effective_reserve(concurrency),
+        min_share=settings.min_share,
+        mode=settings.scheduler,
+    )
+    sim = SimLoop()
+    loop = FetchLoop(source, scheduler, WorkerStats(), sim, SimLoop.cancel, lambda: sim.now, settings.poll_interval)
+    worker = SimWorker(sim, loop)
+    loop.deliver = worker.deliver
+    return settings, source, sim, loop, worker
+
+
+_keys = itertools.count()
+
+
+def backlog(settings, source, counts: dict[Tier, tuple[int, float]]) -> None:
+    for tier, (n, seconds) in counts.items():
+        source.publish(settings.queue_name(tier), *(Task(tier, seconds, next(_keys)) for _ in range(n)))
+
+
+def busy_share(runs, until: float) -> dict[Tier, float]:
+    busy = {t: sum(max(0.0, min(end, until) - start) for tier, start, end in runs if tier is t) for t in TIERS}
+    total = sum(busy.values())
+    return {t: busy[t] / total for t in TIERS}
+
+
+def test_backlogged_tiers_share_slot_time_by_weight_whatever_their_task_lengths():
+    settings, source, sim, loop, worker = make(min_share=0, reserve=0)
+    backlog(settings, source, {R: (5000, 0.02), B: (1000, 0.1), O: (200, 0.4)})
+    loop.start()
+    sim.run_until(20.0)
+    shares = busy_share(worker.runs, 20.0)
+    assert shares[R] == pytest.approx(8 / 11, abs=0.03), shares
+    assert shares[B] == pytest.approx(2 / 11, abs=0.03), shares
+    assert shares[O] == pytest.approx(1 / 11, abs=0.03), shares
+
+
+def test_batch_and_offline_never_take_the_reserved_slot():
+    settings, source, sim, loop, worker = make(concurrency=4, reserve=1)
+    backlog(settings, source, {B: (500, 0.1), O: (100, 0.4)})
+    loop.start()
+    sim.run_until(10.0)
+    assert worker.peak_low == 3
+    # A realtime arrival starts at once: the reserved slot is free.
+    source.publish(settings.queue_name(R), Task(R, 0.02, next(_keys)))
+    arrival = sim.now
+    loop.pump()
+    sim.run_until(arrival + 0.001)
+    assert loop.ledger.running(R) == 1  # started at the arrival, beside three low-tier tasks
+
+
+def test_an_idle_worker_backs_off_to_one_round_per_poll_interval():
+    settings, source, sim, loop, _ = make()
+    loop.start()
+    sim.run_until(10.0)
+    rounds = source.broker_calls / len(source.served.all_names())  # each queue asked once per round
+    assert rounds <= 10.0 / settings.poll_interval * 1.05 + 5, rounds
+
+
+def test_malformed_messages_go_to_the_dead_letters_and_the_loop_goes_on():
+    settings, source, sim, loop, _ = make()
+    queue = settings.queue_name(B)
+    source.publish(queue, *(Malformed(f"bad {i}") for i in range(5)), Task(B, 0.01, next(_keys)))
+    loop.start()
+    sim.run_until(0.001)
+    assert [reason for _, reason, _ in source.dead] == [f"bad {i}" for i in range(5)]
+    assert loop.ledger.running(B) == 1  # delivered in the same turn as the five were moved aside
+
+
+def test_a_failing_fetch_is_retried_not_fatal():
+    settings, source, sim, loop, worker = make()
+    take, calls = source.take, []
+
+    def flaky(order):
+        calls.append(sim.now)
+        if len(calls) <= 2:
+            raise RuntimeError("broker hiccup")
+        return take(order)
+
+    source.take = flaky
+    backlog(settings, source, {R: (3, 0.01)})
+    loop.start()
+    sim.run_until(1.0)
+    assert len(worker.runs) == 3 and len(calls) >= 3
+
+
+def test_ledger_settles_only_what_left_and_charges_its_run_time():
+    ledger = Ledger()
+    ledger.start("a", R, 0.1, now=10.0)
+    ledger.start("b", O, 2.0, now=11.0)
+    assert ledger.settle({"a", "b"}, now=12.0) == []
+    (settled,) = ledger.settle({"b"}, now=12.5)
+    assert (settled.tier, settled.runtime, settled.charge) == (R, 2.5, 0.1)
+    assert len(ledger) == 1 and ledger.running(O) == 1 and "b" in ledger
+
+
+def test_served_queues_ask_promoted_first_then_round_robin():
+    settings = load_settings({}, {"queue_prefix": "m"})
+    served = ServedQueues(settings, ["m.batch", "tenant-a", "m.realtime"])
+    batch = served.candidates(B)  # a queue that is no tier queue belongs to the default tier (batch)
+    assert [c.name for c in batch] == ["m.batch.promoted", "m.batch", "tenant-a"]
+    served.took(batch[1])
+    assert [c.name for c in served.candidates(B)] == ["m.batch.promoted", "tenant-a", "m.batch"]
+    assert [c.name for c in served.candidates(R)] == ["m.realtime.promoted", "m.realtime"]
+    assert served.tiers == [R, B]
