@@ -9,10 +9,22 @@ or ``task.apply_async(..., tier="batch")``.
 
 from __future__ import annotations
 
+from .bulk import BulkQueueFull, BulkResult, bulk
 from .errors import ConfigError, QueueFull
 from .install import install
 from .settings import settings_for
 from .tiers import TIERS, Tier, parse_tier
 
-__all__ = ["TIERS", "ConfigError", "QueueFull", "Tier", "install", "parse_tier", "settings_for"]
+__all__ = [
+    "TIERS",
+    "BulkQueueFull",
+    "BulkResult",
+    "ConfigError",
+    "QueueFull",
+    "Tier",
+    "bulk",
+    "install",
+    "parse_tier",
+    "settings_for",
+]
 __version__ = "0.1.0"

@@ -45,8 +45,8 @@ class PromotionPlan:
     rewritten: list[str] = field(default_factory=list)  # the same, re-addressed to the upper tier
     #: (index from the oldest end, original, stamped) for every message whose stamp is missing or unusable
     stamps: list[tuple[int, bytes, str]] = field(default_factory=list)
-    #: (original, reason): the oldest element is not a message; it goes to the dead letters
-    dead_head: tuple[bytes, str] | None = None
+    #: (original, reason) for the run of elements at the oldest end that are not messages: dead letters
+    dead_heads: list[tuple[bytes, str]] = field(default_factory=list)
 
 
 def plan_promotions(
@@ -73,11 +73,13 @@ def plan_promotions(
     for index, raw in enumerate(oldest_first):
         message, problem = decode_redis_element(raw)
         if problem is not None:
-            if index == 0 and offset == 0:
-                plan.dead_head = (raw, problem)
-                return plan  # the pass moves it aside, then looks again
+            if offset == 0 and len(plan.dead_heads) == index:
+                plan.dead_heads.append((raw, problem))
+                continue  # still at the oldest end: the pass moves it aside
             running = False  # the fetch (or a later pass, once it is the head) dead-letters it
             continue
+        if plan.dead_heads:
+            return plan  # the pass moves the garbage aside, then looks again
         headers = message.get("headers")
         if not isinstance(headers, dict):
             headers = message["headers"] = {}

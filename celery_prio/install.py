@@ -35,7 +35,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
 
     # Queues: keep the user's, add the three tiers (so a plain
     # ``celery -A app worker`` consumes them and tools can list them).
-    publishing = publishing_for(app)
+    publishing = app._celery_prio_publishing = publishing_for(app)
     publishing.check(settings)
     existing = list(app.conf.task_queues or [])
     names = {q.name for q in existing}

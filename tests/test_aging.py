@@ -43,7 +43,7 @@ def test_plan_promotes_only_the_due_run_at_the_oldest_end():
     # Addressed to the promoted list itself: a restore after a crash goes there.
     assert moved[0]["properties"]["delivery_info"] == {"exchange": "", "routing_key": "p.batch.promoted"}
     assert moved[0]["headers"]["timelimit"] == [None, None]  # structure survives the rewrite
-    assert plan.stamps == [] and plan.dead_head is None
+    assert plan.stamps == [] and plan.dead_heads == []
 
 
 def test_plan_stamps_every_unstamped_message_of_the_window_at_once():
@@ -81,8 +81,9 @@ def test_unusable_or_future_stamps_restart_the_wait_now(stamp):
     ],
 )
 def test_a_head_that_is_not_a_message_is_sent_to_the_dead_letters(garbage):
-    plan = plan_promotions([garbage, kombu_message(1.0, "due")], O, "p.batch.promoted", 60, 1000.0)
-    assert plan.dead_head is not None and plan.dead_head[0] == garbage and plan.dead_head[1].startswith("malformed")
+    plan = plan_promotions([garbage, garbage, kombu_message(1.0, "due")], O, "p.batch.promoted", 60, 1000.0)
+    assert [raw for raw, _ in plan.dead_heads] == [garbage, garbage]  # the whole run at the oldest end
+    assert all(reason.startswith("malformed") for _, reason in plan.dead_heads)
     assert plan.originals == []
 
 

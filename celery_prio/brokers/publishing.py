@@ -49,6 +49,39 @@ class Publishing:
         """``QueueFull`` when ``exc`` is this broker saying the tier is full; else None."""
         return None
 
+    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+        """A session that publishes chunks of prepared task messages to ``tier`` (see ``celery_prio.bulk``)."""
+        raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")
+
+
+class BulkSession:
+    """Publishes chunks of Celery task messages (``amqp.task_message``) to one tier queue."""
+
+    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> None:
+        self.app = app
+        self.settings = settings
+        self.tier = tier
+        self.queue = settings.queue_name(tier)
+        self.channel = connection.channel()
+        self.serializer = app.conf.task_serializer or "json"
+
+    def prepare(self, message: Any) -> Any:
+        """The broker's own message for a Celery task message (as kombu's Producer would build it)."""
+        from kombu.serialization import dumps
+
+        content_type, content_encoding, body = dumps(message.body, serializer=self.serializer)
+        properties = {k: v for k, v in message.properties.items() if v}  # no empty reply_to
+        properties["delivery_mode"] = 2  # persistent, as Celery's default
+        return self.channel.prepare_message(body, 0, content_type, content_encoding, message.headers, properties)
+
+    def publish(self, messages: list[Any]) -> list[bool]:
+        """Per message, whether the broker accepted it. Stops nothing: the caller reports refusals."""
+        raise NotImplementedError
+
+    def queue_full(self, accepted: int) -> QueueFull:
+        """The error for a chunk the tier did not take whole."""
+        raise NotImplementedError
+
 
 class RedisPublishing(Publishing):
     kind = "redis"
@@ -69,6 +102,11 @@ class RedisPublishing(Publishing):
         }
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
+
+    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+        from .redis_transport import RedisBulkSession
+
+        return RedisBulkSession(app, connection, settings, tier)
 
 
 class AmqpPublishing(Publishing):
@@ -106,6 +144,12 @@ class AmqpPublishing(Publishing):
                 conn.ensure_connection(max_retries=3)
                 declare_tier_queues(conn.channel(), settings)
             self._declared.set()
+
+    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+        from .amqp import AmqpBulkSession
+
+        self.before_send(app, settings)
+        return AmqpBulkSession(app, connection, settings, tier)
 
     def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:
         from amqp.exceptions import MessageNacked

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 #: How many of the oldest elements one aging look reads (and may stamp).
 AGING_WINDOW = 100
+#: Garbage one aging pass moves aside at most: a pass stays short, the next goes on.
+MAX_DEAD_PER_PASS = 1000
 
 
 def _text(value: Any) -> str:
@@ -102,16 +104,18 @@ class RedisAdapter(Broker):
         upper = settings.queue_name(tier.promoted())
         promoted = upper + PROMOTED_SUFFIX
         cap = settings.max_length[tier.promoted()]
-        moved = 0
+        moved = dead = 0
         for _ in range(10_000):  # bounded: a pass ends even if producers outpace it
             oldest_first = self.client.lrange(source, -batch, -1)[::-1]
             plan = plan_promotions(oldest_first, tier, promoted, threshold, now)
-            if plan.dead_head is not None:
-                raw, reason = plan.dead_head
-                self._dead_head(
-                    keys=[source, settings.dead_letter_queue, settings.stats_key],
-                    args=[raw, reason, tier.label, now],
-                )
+            if plan.dead_heads:
+                args: list[Any] = [tier.label, now]
+                for raw, reason in plan.dead_heads:
+                    args += [raw, reason]
+                done = int(self._dead_head(keys=[source, settings.dead_letter_queue, settings.stats_key], args=args))
+                dead += done
+                if done < len(plan.dead_heads) or dead >= MAX_DEAD_PER_PASS:
+                    break  # someone else moved them, or enough garbage for one pass: the next pass goes on
                 continue
             if plan.stamps:
                 self._stamp_all(source, plan.stamps)

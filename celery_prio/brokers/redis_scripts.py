@@ -127,17 +127,22 @@ end
 return set
 """
 
-#: Move the oldest element of a list to the dead list if it is still the one
-#: seen (aging found it unusable). KEYS: list, dead list, stats hash.
-#: ARGV: expected element, reason, tier label, now. Returns 1 if moved.
+#: Move the oldest elements of a list to the dead list, each only if it is
+#: still the oldest (aging found them unusable). KEYS: list, dead list, stats
+#: hash. ARGV: tier label, now, then pairs of (expected element, reason).
+#: Returns how many moved.
 DEAD_HEAD = (
     DEAD_ENTRY
     + """
-if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return 0 end
-redis.call('LPUSH', KEYS[2], dead_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[1]))
-redis.call('RPOP', KEYS[1])
-redis.call('HINCRBY', KEYS[3], 'dead_lettered:' .. ARGV[3], 1)
-return 1
+local moved = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[i] then break end
+  redis.call('LPUSH', KEYS[2], dead_entry(ARGV[i], ARGV[i + 1], ARGV[1], ARGV[2], KEYS[1]))
+  redis.call('RPOP', KEYS[1])
+  moved = moved + 1
+end
+if moved > 0 then redis.call('HINCRBY', KEYS[3], 'dead_lettered:' .. ARGV[1], moved) end
+return moved
 """
 )
 
@@ -214,5 +219,44 @@ for i = 1, n do
 end
 if dead > 0 then return {0, dead} end
 return nil
+"""
+)
+
+#: Publish many messages to one tier list in one call, under its cap.
+#: ``reject``: push while the list is below the cap, stop at the first that
+#: does not fit (the caller reports how many went in). ``drop_oldest``: push
+#: all, evicting the oldest to the dead letters as needed.
+#: KEYS: tier list, dead list, stats hash.
+#: ARGV: cap (-1 = none), policy, tier label, now, then the messages.
+#: Returns {accepted, depth after}.
+BULK_PUSH = (
+    DEAD_ENTRY
+    + """
+local cap = tonumber(ARGV[1])
+local n = redis.call('LLEN', KEYS[1])
+local count = #ARGV - 4
+if cap < 0 or n + count <= cap then  -- room for all: one LPUSH
+  redis.call('LPUSH', KEYS[1], unpack(ARGV, 5))
+  return {count, n + count}
+end
+local accepted, evicted = 0, 0
+for i = 5, #ARGV do
+  if cap >= 0 and n >= cap then
+    if ARGV[2] ~= 'drop_oldest' then
+      redis.call('HINCRBY', KEYS[3], 'rejected:' .. ARGV[3], #ARGV - i + 1)
+      break
+    end
+    local old = redis.call('LINDEX', KEYS[1], -1)
+    redis.call('LPUSH', KEYS[2], dead_entry(old, 'drop_oldest', ARGV[3], ARGV[4], KEYS[1]))
+    redis.call('RPOP', KEYS[1])
+    evicted = evicted + 1
+    n = n - 1
+  end
+  redis.call('LPUSH', KEYS[1], ARGV[i])
+  n = n + 1
+  accepted = accepted + 1
+end
+if evicted > 0 then redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[3], evicted) end
+return {accepted, n}
 """
 )

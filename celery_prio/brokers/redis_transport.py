@@ -7,8 +7,10 @@ other queue, and every consumer-side operation, is kombu's own code.
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from base64 import b64encode
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -16,7 +18,8 @@ from kombu.utils.json import dumps
 
 from ..errors import QueueFull
 from ..tiers import parse_tier
-from .redis_scripts import GUARDED_PUSH
+from .publishing import BulkSession
+from .redis_scripts import BULK_PUSH, GUARDED_PUSH
 
 
 class Channel(kombu_redis.Channel):
@@ -72,3 +75,90 @@ def drain_rate(client: Any, stats_key: str, tier: str) -> float:
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def _json(value: Any) -> str:
+    """The standard library's C encoder for plain data; kombu's (datetimes, UUIDs, ...) for the rest."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return dumps(value)
+
+
+class RedisBulkSession(BulkSession):
+    """A chunk is one script call: pushed under the cap atomically, the refused tail reported."""
+
+    def __init__(self, app: Any, connection: Any, settings: Any, tier: Any) -> None:
+        super().__init__(app, connection, settings, tier)
+        self.client = self.channel.client
+        self._push = self.client.register_script(BULK_PUSH)
+        cap = settings.max_length[tier]
+        self.cap = -1 if cap is None else cap
+        self.depth = 0
+        self._shared_cache: tuple[Any, dict[str, str]] | None = None
+
+    def publish(self, messages: list[Any]) -> list[bool]:
+        payloads = [self._envelope(message) for message in messages]
+        accepted, self.depth = self._push(
+            keys=[self.queue, self.settings.dead_letter_queue, self.settings.stats_key],
+            args=[self.cap, self.settings.overflow[self.tier], self.tier.label, time.time(), *payloads],
+        )
+        return [i < accepted for i in range(len(messages))]
+
+    def _envelope(self, message: Any) -> str:
+        """The JSON kombu's Redis channel writes for a publish (prepare_message + _inplace_augment_message).
+
+        This is the hot loop of a bulk publish, so what every message of the
+        chunk shares is encoded once (``_shared``) and only the per-message
+        fields are encoded here.
+        """
+        if self.serializer != "json":
+            return self._envelope_generic(message)
+        args, kwargs, embed = message.body
+        shared = self._shared(message, kwargs, embed)
+        body = f"[{_json(args)}{shared['body_tail']}".encode()
+        headers = message.headers
+        task_id = headers["id"]
+        variable = {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
+        # Ids are "<uuid>-<n>": nothing in them needs escaping.
+        return (
+            f'{{"body": "{b64encode(body).decode()}", {shared["content"]}, '
+            f'"headers": {{{shared["headers"]}, {_json(variable)[1:-1]}}}, '
+            f'"properties": {{{shared["properties"]}, "correlation_id": "{task_id}", '
+            f'"delivery_tag": "{task_id}.t"}}}}'
+        )
+
+    #: Header fields that differ between the messages of one bulk publish.
+    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "prio_enqueued_at")
+
+    def _shared(self, message: Any, kwargs: Any, embed: Any) -> dict[str, str]:
+        key = id(kwargs), id(embed)
+        if self._shared_cache is None or self._shared_cache[0] != key:
+            channel = self.channel
+            headers = {k: v for k, v in message.headers.items() if k not in self.VARIABLE_HEADERS}
+            properties = {k: v for k, v in message.properties.items() if k != "correlation_id"}
+            properties.update(
+                delivery_mode=2,
+                delivery_info={"exchange": "", "routing_key": self.queue},  # as a single publish to the queue
+                priority=channel.default_priority,
+                body_encoding="base64",
+            )
+            self._shared_cache = (
+                key,
+                {
+                    "body_tail": f", {dumps(kwargs)}, {dumps(embed)}]",
+                    "content": '"content-encoding": "utf-8", "content-type": "application/json"',
+                    "headers": dumps(headers)[1:-1],
+                    "properties": dumps(properties)[1:-1],
+                },
+            )
+        return self._shared_cache[1]
+
+    def _envelope_generic(self, message: Any) -> str:
+        prepared = self.prepare(message)
+        self.channel._inplace_augment_message(prepared, "", self.queue)
+        return dumps(prepared)
+
+    def queue_full(self, accepted: int) -> QueueFull:
+        rate = drain_rate(self.client, self.settings.stats_key, self.tier.label)
+        return QueueFull.from_drain_rate(self.tier, int(self.depth), rate)

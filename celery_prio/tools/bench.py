@@ -216,12 +216,14 @@ def summarize(
     }
 
 
-def run_drain(mode: str, broker: str, n: int, concurrency: int, logdir: Path, **app_options: Any) -> float:
-    """Tasks per second a worker drains from a pre-filled queue of no-op tasks."""
+def run_drain(
+    mode: str, broker: str, n: int, concurrency: int, logdir: Path, seconds: float = 0.0, **app_options: Any
+) -> float:
+    """Tasks per second a worker drains from a pre-filled queue of tasks of ``seconds`` each (no-op by default)."""
     run = Run(mode, broker, logdir, concurrency, **app_options)
     try:
         for _ in range(n):
-            run.publish("batch", 0.0)
+            run.publish("batch", seconds)
         run.start_worker()
         deadline = time.time() + 120
         while run.records.llen(f"{run.prefix}:records") < n and time.time() < deadline:
@@ -267,7 +269,8 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
             run.publish("offline", 0.0)
             template = json.loads(adapter.client.rpop(queue))
             now = time.time()
-            filler = json.dumps({"headers": {"prio_enqueued_at": now + 3600}})
+            # Real-looking messages that waited 1 s: not due, so the pass stops at the first.
+            filler = json.dumps({**template, "headers": {**template["headers"], "prio_enqueued_at": now - 1}})
             pipe = adapter.client.pipeline(transaction=False)
             for i in range(size - aged):
                 pipe.lpush(queue, filler)
@@ -370,6 +373,17 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
         f"(target >= 0.95)"
     )
+    short_n = max(drain_n // 3, 200)
+    short = best_of(
+        2,
+        {"fifo": ("fifo", {}), "prio": ("prio", {})},
+        lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o),
+    )
+    short_ratio = short["prio"] / short["fifo"]
+    out(
+        f"5 ms drain ({short_n} tasks): default Celery {short['fifo']:.0f}/s, celery-prio {short['prio']:.0f}/s, "
+        f"ratio {short_ratio:.2f} (target >= 0.95)"
+    )
     setups: dict[str, tuple[str, dict[str, Any]]] = {
         "plain": ("fifo", {}),
         "router": ("prio", {"max_length": NO_CAPS}),
@@ -395,9 +409,68 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         "ratios": ratios,
         "drain_per_s": drain,
         "drain_ratio": drain_ratio,
+        "drain_5ms_per_s": short,
+        "drain_5ms_ratio": short_ratio,
         "publish_per_s": publish,
         "publish_ratio": publish_ratio,
         "admission_ratio": admission_ratio,
+    }
+
+
+SEED_DAY = 5_000_000  # batch items a day on the seed's platform
+
+
+def bench_bulk(broker: str, plain_n: int, bulk_n: int, logdir: Path, out=print) -> dict[str, Any]:
+    """Enqueue rate: apply_async in a loop vs celery_prio.bulk, one producer thread, same app; producer memory."""
+    import tracemalloc
+
+    from ..bulk import bulk
+
+    kind = _broker_kind(broker)
+    run = Run("prio", broker, logdir, 1, max_length={"batch": None})
+    try:
+        run.publish("batch", 0.0)  # connect and declare outside the timing
+        started = time.perf_counter()
+        for _ in range(plain_n):
+            run.task.apply_async(("batch", 0.0, 0.0), tier="batch")
+        plain = plain_n / (time.perf_counter() - started)
+        peaks = {}
+        rates = {}
+        for n in (bulk_n // 4, bulk_n):
+            tracemalloc.start()
+            started = time.perf_counter()
+            ids = bulk(run.task, (("batch", 0.0, 0.0) for _ in range(n)), tier="batch", chunk=1000)
+            rates[n] = len(ids) / (time.perf_counter() - started)
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        depth = adapter_for(run.app)
+        try:
+            enqueued = depth.depth(f"{run.prefix}.batch")
+        finally:
+            depth.close()
+    finally:
+        run.close()
+    rate = rates[bulk_n]
+    expected = 1 + plain_n + bulk_n // 4 + bulk_n
+    out(
+        f"bulk publish ({kind}): apply_async loop {plain:.0f}/s ({plain_n:,} tasks); bulk {rate:.0f}/s "
+        f"({bulk_n:,} tasks, chunks of 1000), ratio {rate / plain:.1f} (target >= 10"
+        + (", and >= 20,000/s on Redis)" if kind == "redis" else ")")
+    )
+    out(
+        f"  producer peak memory (tracemalloc) {peaks[bulk_n // 4] / 2**20:.1f} MiB for {bulk_n // 4:,} items, "
+        f"{peaks[bulk_n] / 2**20:.1f} MiB for {bulk_n:,} (flat: a chunk at a time); the seed's "
+        f"{SEED_DAY:,}-item day enqueues in {SEED_DAY / rate / 60:.1f} min "
+        f"(apply_async: {SEED_DAY / plain / 60:.0f} min)"
+    )
+    if enqueued != expected:
+        raise RuntimeError(f"bulk bench: {enqueued} messages in the queue, expected {expected}")
+    return {
+        "plain_per_s": plain,
+        "bulk_per_s": rate,
+        "ratio": rate / plain,
+        "peak_bytes": peaks,
+        "seed_day_minutes": SEED_DAY / rate / 60,
     }
 
 
@@ -413,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rt-rate", type=float, default=Workload.rt_rate, help="realtime requests per second")
     parser.add_argument("--drain-tasks", type=int, default=3000)
     parser.add_argument("--publish-tasks", type=int, default=2000)
+    parser.add_argument("--bulk-tasks", type=int, default=200_000, help="tasks for the bulk publish figure")
+    parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
+    parser.add_argument(
+        "--only", choices=("mixed", "bulk"), help="run one part: the mixed workload/drain/publish, or bulk publish"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     w = Workload(duration=args.duration, concurrency=args.concurrency, rt_rate=args.rt_rate)
@@ -420,9 +498,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="celery-prio-bench-") as tmp:
         for broker in brokers:
-            results[_broker_kind(broker)] = bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp))
-            if _broker_kind(broker) == "redis":
-                results["redis"]["aging_pass_s"] = bench_aging_pass()
+            kind = _broker_kind(broker)
+            results[kind] = {}
+            if args.only in (None, "mixed"):
+                results[kind] = bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp))
+                if kind == "redis":
+                    results["redis"]["aging_pass_s"] = bench_aging_pass()
+            if args.only in (None, "bulk"):
+                results[kind]["bulk"] = bench_bulk(broker, args.bulk_plain_tasks, args.bulk_tasks, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(w), "results": results}, indent=2))
     return 0

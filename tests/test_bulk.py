@@ -1,0 +1,90 @@
+"""celery_prio.bulk on real Redis and RabbitMQ: order, caps, stamps, flat memory, and workers run what it sent."""
+
+from __future__ import annotations
+
+import json
+import time
+import tracemalloc
+
+import pytest
+
+import celery_prio
+from celery_prio import BulkQueueFull, QueueFull, Tier
+from celery_prio.headers import ENQUEUED_HEADER
+
+pytestmark = pytest.mark.broker
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+
+
+def test_bulk_publishes_in_input_order_and_workers_run_every_item(env):
+    add = env.app.tasks["t.add"]
+    before = time.time()
+    ids = celery_prio.bulk(add, ((i, 1) for i in range(1000)), tier="batch", chunk=300)
+    assert len(ids) == 1000 and ids[0].endswith("-0") and ids[-1].endswith("-999") and len(set(ids)) == 1000
+    assert env.depth(B) == 1000
+    if env.kind == "redis":  # the oldest end holds the first item, stamped like a single publish
+        first = json.loads(env.adapter.client.lindex(env.queue(B), -1))
+        assert first["headers"]["id"] == ids[0] and first["headers"]["task"] == "t.add"
+        assert before <= first["headers"][ENQUEUED_HEADER] <= time.time()
+    env.start_worker(concurrency=2)
+    results = ids.results()
+    assert [r.get(timeout=60) for r in results[::97]] == [i + 1 for i in range(0, 1000, 97)]
+    env.wait_for(lambda: env.depth(B) == 0, timeout=60, what="the bulk backlog to drain")
+
+
+def test_bulk_stops_at_a_rejecting_cap_and_names_exactly_what_went_in(env):
+    env.configure(max_length={"batch": 250})
+    add = env.app.tasks["t.add"]
+    with pytest.raises(BulkQueueFull) as info:
+        celery_prio.bulk(add, ((i, 1) for i in range(400)), tier="batch", chunk=100)
+    err = info.value
+    assert isinstance(err, QueueFull) and err.tier is B and err.status_code == 429
+    assert len(err.accepted) == 250 and [a.rsplit("-", 1)[1] for a in err.accepted] == [str(i) for i in range(250)]
+    assert "250 of the bulk publish accepted" in str(err)
+    assert env.depth(B) == 250
+
+
+def test_bulk_into_a_drop_oldest_tier_keeps_the_newest(env):
+    env.configure(max_length={"offline": 100})
+    ids = celery_prio.bulk(env.app.tasks["t.add"], ((i, 1) for i in range(150)), tier="offline", chunk=40)
+    assert len(ids) == 150
+    env.wait_for(lambda: env.adapter.depth(f"{env.prefix}.dead") == 50, timeout=10, what="50 dead letters")
+    assert env.depth(O) == 100
+    from celery_prio.settings import settings_for
+
+    dead = env.adapter.dead_list(settings_for(env.app), limit=100)
+    assert sorted(d["id"] for d in dead) == sorted(ids[:50])
+
+
+def test_bulk_reads_its_input_lazily_with_flat_memory(redis_env):
+    env = redis_env
+    env.configure(max_length={"batch": None})
+    produced = []
+
+    def items():
+        for i in range(100_000):
+            produced.append(1) if i % 10_000 == 0 else None
+            yield (i, 1)
+
+    tracemalloc.start()
+    ids = celery_prio.bulk(env.app.tasks["t.add"], items(), tier="batch", chunk=1000)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(ids) == 100_000 and env.depth(B) == 100_000
+    assert peak < 30 * 2**20, f"peak {peak / 2**20:.1f} MiB"  # a chunk at a time, not 100,000 messages
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="urgent"), ValueError, "unknown tier 'urgent'"),
+        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", chunk=0), ValueError, "chunk must be"),
+        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", priority=3), TypeError, "does not take priority"),
+        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", subqueue="acme"), ValueError, "sub-queues"),
+        (lambda t: celery_prio.bulk(t, [(1, 2), 5], tier="batch"), TypeError, "item 1 of bulk(): args must be"),
+    ],
+)
+def test_bad_bulk_calls_say_what_is_wrong(redis_env, call, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(redis_env.app.tasks["t.add"])
