@@ -56,6 +56,7 @@ class BulkResult(Sequence):
     base: str
     count: int
     start: int = 0
+    group_id: str | None = None  # set when the items were published as one group (group(...) through bulk)
 
     def __len__(self) -> int:
         return self.count
@@ -102,34 +103,49 @@ def bulk(
     the refusal is published. ``drop_oldest`` tiers take every item and
     dead-letter the oldest, as single publishes do.
     """
-    tier = parse_tier(tier)
     if subqueue is not None:
         raise ValueError("bulk(subqueue=...) needs sub-queues, which this version does not have yet")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a whole number >= 1, got {chunk!r}")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"bulk() does not take {', '.join(unknown)}; options it applies to every item: {OPTIONS}")
+    kwargs = options.pop("kwargs", None) or {}
+    return publish_calls(task, ((args, kwargs) for args in args_iterable), tier, chunk, options)
+
+
+def publish_calls(
+    task: Any,
+    calls: Iterable[tuple[Any, Any]],
+    tier: Any,
+    chunk: int,
+    options: dict[str, Any],
+    group: bool = False,
+) -> BulkResult:
+    """``bulk``'s engine: ``(args, kwargs)`` per call; ``group`` publishes them as one Celery group."""
+    tier = parse_tier(tier)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number >= 1, got {chunk!r}")
     app = task._get_app()
     if getattr(app, "_celery_prio_publishing", None) is None:
         raise RuntimeError("bulk() needs celery_prio.install(app) first")
     settings = settings_for(app)
-    kwargs = options.pop("kwargs", None) or {}
     base = str(uuid.uuid4())
-    items = iter(args_iterable)
+    group_id = str(uuid.uuid4()) if group else None  # Celery's group header; group_index per item
+    if group_id is not None:
+        options = {**options, "group_id": group_id}
+    items = iter(calls)
     published = 0
     # One message built by Celery itself is the template; each item only
     # changes its id, args and argsrepr (as_task_v2 per item costs more than
     # the whole publish).
-    template = app.amqp.as_task_v2(f"{base}-template", task.name, (), kwargs, reply_to=app.thread_oid, **options)
-    _, shared_kwargs, embed = template.body
+    template = app.amqp.as_task_v2(f"{base}-template", task.name, (), {}, reply_to=app.thread_oid, **options)
+    embed = template.body[2]
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=3)
         session = app._celery_prio_publishing.bulk_session(app, connection, settings, tier)
         while batch := list(itertools.islice(items, chunk)):
             stamp = time.time()
             messages = []
-            for offset, args in enumerate(batch):
+            for offset, (args, kwargs) in enumerate(batch):
                 if not isinstance(args, (list, tuple)):
                     sent = f"{base}-0 .. {base}-{published - 1}" if published else "none"
                     raise TypeError(
@@ -142,14 +158,17 @@ def bulk(
                     "id": task_id,
                     "root_id": task_id,
                     "argsrepr": _short_repr(args),
+                    "kwargsrepr": _short_repr(kwargs),
                     ENQUEUED_HEADER: stamp,
                 }
+                if group_id is not None:
+                    headers["group_index"] = published + offset
                 properties = {**template.properties, "correlation_id": task_id}
-                messages.append(TaskMessage(headers, properties, (args, shared_kwargs, embed)))
+                messages.append(TaskMessage(headers, properties, (args, kwargs, embed)))
             accepted = session.publish(messages)
             if not all(accepted):
                 ids = [f"{base}-{published + i}" for i, ok in enumerate(accepted) if ok]
                 done = BulkResult(app, base, published)
                 raise BulkQueueFull(session.queue_full(len(ids)), [*done, *ids])
             published += len(batch)
-    return BulkResult(app, base, published)
+    return BulkResult(app, base, published, group_id=group_id)

@@ -10,6 +10,7 @@ from celery import Celery, signals
 from . import control  # noqa: F401 - registers `celery inspect prio_stats`
 from .admission import guard_send_task
 from .brokers.publishing import publishing_for
+from .canvas import route_groups_through_bulk
 from .errors import ConfigError
 from .routing import make_router, register_tier_queues, stamp_enqueue_time
 from .settings import DEFAULTS, PrioSettings, load_settings
@@ -63,6 +64,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     app.conf.broker_transport_options = options
     guard_send_task(app, settings, publishing)
 
+    route_groups_through_bulk()
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
     app.on_after_finalize.connect(_log_task_tier_errors, weak=False)

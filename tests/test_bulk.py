@@ -88,3 +88,20 @@ def test_bulk_reads_its_input_lazily_with_flat_memory(redis_env):
 def test_bad_bulk_calls_say_what_is_wrong(redis_env, call, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         call(redis_env.app.tasks["t.add"])
+
+
+@pytest.mark.slow
+def test_groups_and_chunks_of_one_task_take_the_bulk_path(env):
+    from celery import group
+
+    add = env.app.tasks["t.add"]
+    env.start_worker(concurrency=2)
+    result = group(add.s(i, 1) for i in range(200)).apply_async()
+    assert all("-" in r.id and r.id.rsplit("-", 1)[1] == str(i) for i, r in enumerate(result.results))  # bulk ids
+    assert result.get(timeout=60) == [i + 1 for i in range(200)]
+    chunked = add.chunks(zip(range(120), range(120), strict=True), 2).apply_async()  # 60 starmap calls
+    assert chunked.results[0].id.endswith("-0")
+    assert [x for part in chunked.get(timeout=60) for x in part] == [2 * i for i in range(120)]
+    small = group(add.s(i, 1) for i in range(5)).apply_async()  # too small to gain: Celery's own path
+    assert not small.results[0].id.endswith("-0")
+    assert small.get(timeout=30) == [1, 2, 3, 4, 5]

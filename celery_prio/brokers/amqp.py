@@ -438,7 +438,6 @@ class AmqpBulkSession(BulkSession):
     """
 
     CONFIRM_TIMEOUT = 60.0
-    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "prio_enqueued_at")
 
     def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> None:
         super().__init__(app, connection, settings, tier)

@@ -57,6 +57,9 @@ class Publishing:
 class BulkSession:
     """Publishes chunks of Celery task messages (``amqp.task_message``) to one tier queue."""
 
+    #: Header fields that differ between the messages of one bulk publish (the rest is encoded once).
+    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "kwargsrepr", "prio_enqueued_at", "group_index")
+
     def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> None:
         self.app = app
         self.settings = settings

@@ -120,7 +120,8 @@ class RedisAdapter(Broker):
             if plan.stamps:
                 self._stamp_all(source, plan.stamps)
             if not plan.originals:
-                if not plan.stamps and len(oldest_first) == batch:
+                if not plan.stamps and len(oldest_first) == batch and moved == 0:
+                    # Only on passes that promoted nothing: a promoting pass is busy enough.
                     self._stamp_deeper(source, tier, now, batch)
                 break
             n = len(plan.originals)

@@ -96,6 +96,7 @@ class RedisBulkSession(BulkSession):
         self.cap = -1 if cap is None else cap
         self.depth = 0
         self._shared_cache: tuple[Any, dict[str, str]] | None = None
+        self._shared_kwargs: Any = None
 
     def publish(self, messages: list[Any]) -> list[bool]:
         payloads = [self._envelope(message) for message in messages]
@@ -116,7 +117,8 @@ class RedisBulkSession(BulkSession):
             return self._envelope_generic(message)
         args, kwargs, embed = message.body
         shared = self._shared(message, kwargs, embed)
-        body = f"[{_json(args)}{shared['body_tail']}".encode()
+        kwargs_json = shared["kwargs"] if kwargs is self._shared_kwargs else _json(kwargs)
+        body = f"[{_json(args)}, {kwargs_json}, {shared['embed']}]".encode()
         headers = message.headers
         task_id = headers["id"]
         variable = {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
@@ -128,12 +130,9 @@ class RedisBulkSession(BulkSession):
             f'"delivery_tag": "{task_id}.t"}}}}'
         )
 
-    #: Header fields that differ between the messages of one bulk publish.
-    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "prio_enqueued_at")
-
     def _shared(self, message: Any, kwargs: Any, embed: Any) -> dict[str, str]:
-        key = id(kwargs), id(embed)
-        if self._shared_cache is None or self._shared_cache[0] != key:
+        """What every message of this publish has in common, encoded once (rebuilt if a call differs)."""
+        if self._shared_cache is None or self._shared_cache[0] is not embed:
             channel = self.channel
             headers = {k: v for k, v in message.headers.items() if k not in self.VARIABLE_HEADERS}
             properties = {k: v for k, v in message.properties.items() if k != "correlation_id"}
@@ -143,10 +142,12 @@ class RedisBulkSession(BulkSession):
                 priority=channel.default_priority,
                 body_encoding="base64",
             )
+            self._shared_kwargs = kwargs
             self._shared_cache = (
-                key,
+                embed,
                 {
-                    "body_tail": f", {dumps(kwargs)}, {dumps(embed)}]",
+                    "kwargs": _json(kwargs),
+                    "embed": _json(embed),
                     "content": '"content-encoding": "utf-8", "content-type": "application/json"',
                     "headers": dumps(headers)[1:-1],
                     "properties": dumps(properties)[1:-1],

@@ -1,0 +1,85 @@
+"""``group(...)`` and ``task.chunks(...)`` through the bulk path, where Celery's semantics allow.
+
+A group of many calls of one task is what a batch job looks like in Celery
+(``task.chunks`` builds exactly that: a group of ``celery.starmap`` calls).
+Celery publishes it one message at a time; here such a group goes through
+``celery_prio.bulk`` instead: same messages (each with its ``group`` id and
+``group_index``), same ``GroupResult``, a chunk per round trip.
+
+Eligible when every member is a plain signature of the same task with the
+same keyword arguments and no options but ``tier``, the group has at least
+``BULK_GROUP_MIN`` members, and nothing else rides on the call (no partial
+args, no chord, no links, not eager). Anything else keeps Celery's own path,
+unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Signature, group
+from celery.canvas import _basemap
+
+from .bulk import publish_calls
+from .settings import settings_for
+
+#: Smaller groups gain little from chunking: they keep Celery's path.
+BULK_GROUP_MIN = 50
+
+_original_apply_async = group.apply_async
+
+
+def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[str, Any] | None:
+    """``(task name, tier or None)`` when the group can take the bulk path, else None."""
+    app = g.app
+    if getattr(app, "_celery_prio_publishing", None) is None or app.conf.task_always_eager:
+        return None
+    # route_name: task.chunks() routes its starmap calls by the chunked task's name.
+    if args or kwargs or set(options) - {"tier", "route_name"} or set(g.options) - {"tier"}:
+        return None
+    tasks = list(g.tasks)  # a regen for task.chunks(); Celery evaluates it the same way
+    if len(tasks) < BULK_GROUP_MIN:
+        return None
+    first = tasks[0]
+    for sig in tasks:
+        mapped = isinstance(sig, _basemap)
+        if not isinstance(sig, Signature) or (type(sig) is not Signature and not mapped):
+            return None  # chains, groups, chords inside: Celery's path
+        if sig.task != first.task or set(sig.options) - {"tier"}:
+            return None
+        if sig.options.get("tier") != first.options.get("tier") or (not mapped and sig.kwargs != first.kwargs):
+            return None
+    if first.task not in app.tasks:
+        return None
+    tier = options.get("tier") or g.options.get("tier") or first.options.get("tier")
+    if tier is None:
+        name = options.get("route_name") or first.task
+        task = app.tasks.get(name)
+        settings = settings_for(app)
+        tier = getattr(task, "tier", None) or settings.tier_for_task_name(name) or settings.default_tier
+    return first.task, tier
+
+
+def _call(sig: Signature) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(sig, _basemap):  # xmap/xstarmap: Celery sends the iterable as a list
+        return (), {"task": sig.kwargs["task"], "it": list(sig.kwargs["it"])}
+    return tuple(sig.args), dict(sig.kwargs)
+
+
+def apply_async(self: group, args: Any = None, kwargs: Any = None, add_to_parent: bool = True, **options: Any) -> Any:
+    eligible = _calls(self, args, kwargs, options)
+    if eligible is None:
+        return _original_apply_async(self, args, kwargs, add_to_parent=add_to_parent, **options)
+    name, tier = eligible
+    app = self.app
+    ids = publish_calls(app.tasks[name], (_call(sig) for sig in self.tasks), tier, 1000, {}, group=True)
+    result = app.GroupResult(ids.group_id, ids.results())
+    parent = app.current_worker_task
+    if add_to_parent and parent:
+        parent.add_trail(result)
+    return result
+
+
+def route_groups_through_bulk() -> None:
+    """Once per process: eligible groups of apps with celery-prio installed take the bulk path."""
+    group.apply_async = apply_async
