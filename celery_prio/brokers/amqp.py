@@ -27,7 +27,7 @@ from ..tiers import TIERS, Tier
 from ..untrusted import death_records
 from .amqp_management import management_client
 from .base import Broker, FetchSource, Take
-from .publishing import BulkSession
+from .publishing import BulkSession, fast_json
 
 logger = logging.getLogger(__name__)
 
@@ -448,18 +448,28 @@ class AmqpBulkSession(BulkSession):
         self._nacked: set[int] = set()
         self.channel.events["basic_ack"].add(self._on_ack)
         self.channel.events["basic_nack"].add(self._on_nack)
-        self._shared: tuple[Any, bytes] | None = None
+        self._shared: tuple[dict[str, Any], bytes, Any, str] | None = None
 
     def prepare(self, message: Any) -> Any:
-        from amqp.serialization import dumps
+        """The AMQP message for one call; what the calls of this publish share is prepared once."""
+        headers = message.headers
+        if self._shared is None:
+            from amqp.serialization import dumps
 
-        prepared = super().prepare(message)
-        headers = prepared.properties.pop("application_headers")
-        shared = {k: v for k, v in headers.items() if k not in self.VARIABLE_HEADERS}
-        if self._shared is None or self._shared[0] != shared:
-            self._shared = (shared, dumps(b"F", [shared])[4:])
-        bulk_message = _BulkMessage(prepared.body, **prepared.properties)
-        bulk_message.shared_table = self._shared[1]
+            prepared = super().prepare(message)  # kombu's own message, once: its properties and encoding
+            prepared.properties.pop("application_headers")
+            prepared.properties.pop("correlation_id", None)
+            shared = {k: v for k, v in headers.items() if k not in self.VARIABLE_HEADERS}
+            self._shared = (prepared.properties, dumps(b"F", [shared])[4:], message.body[1], fast_json(message.body[1]))
+        properties, table, shared_kwargs, shared_kwargs_json = self._shared
+        if self.serializer == "json":
+            args, kwargs, embed = message.body
+            kwargs_json = shared_kwargs_json if kwargs is shared_kwargs else fast_json(kwargs)
+            body = f"[{fast_json(args)}, {kwargs_json}, {fast_json(embed)}]"
+        else:
+            body = super().prepare(message).body
+        bulk_message = _BulkMessage(body, correlation_id=headers["id"], **properties)
+        bulk_message.shared_table = table
         bulk_message.variable = {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
         return bulk_message
 

@@ -8,6 +8,7 @@ confirm nack, translated here to ``QueueFull``.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -52,6 +53,16 @@ class Publishing:
     def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
         """A session that publishes chunks of prepared task messages to ``tier`` (see ``celery_prio.bulk``)."""
         raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")
+
+
+def fast_json(value: Any) -> str:
+    """The standard library's C encoder for plain data; kombu's (datetimes, UUIDs, ...) for the rest."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        from kombu.utils.json import dumps
+
+        return dumps(value)
 
 
 class BulkSession:

@@ -7,7 +7,6 @@ other queue, and every consumer-side operation, is kombu's own code.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from base64 import b64encode
@@ -18,7 +17,7 @@ from kombu.utils.json import dumps
 
 from ..errors import QueueFull
 from ..tiers import parse_tier
-from .publishing import BulkSession
+from .publishing import BulkSession, fast_json
 from .redis_scripts import BULK_PUSH, GUARDED_PUSH
 
 
@@ -77,14 +76,6 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-def _json(value: Any) -> str:
-    """The standard library's C encoder for plain data; kombu's (datetimes, UUIDs, ...) for the rest."""
-    try:
-        return json.dumps(value)
-    except TypeError:
-        return dumps(value)
-
-
 class RedisBulkSession(BulkSession):
     """A chunk is one script call: pushed under the cap atomically, the refused tail reported."""
 
@@ -117,15 +108,15 @@ class RedisBulkSession(BulkSession):
             return self._envelope_generic(message)
         args, kwargs, embed = message.body
         shared = self._shared(message, kwargs, embed)
-        kwargs_json = shared["kwargs"] if kwargs is self._shared_kwargs else _json(kwargs)
-        body = f"[{_json(args)}, {kwargs_json}, {shared['embed']}]".encode()
+        kwargs_json = shared["kwargs"] if kwargs is self._shared_kwargs else fast_json(kwargs)
+        body = f"[{fast_json(args)}, {kwargs_json}, {shared['embed']}]".encode()
         headers = message.headers
         task_id = headers["id"]
         variable = {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
         # Ids are "<uuid>-<n>": nothing in them needs escaping.
         return (
             f'{{"body": "{b64encode(body).decode()}", {shared["content"]}, '
-            f'"headers": {{{shared["headers"]}, {_json(variable)[1:-1]}}}, '
+            f'"headers": {{{shared["headers"]}, {fast_json(variable)[1:-1]}}}, '
             f'"properties": {{{shared["properties"]}, "correlation_id": "{task_id}", '
             f'"delivery_tag": "{task_id}.t"}}}}'
         )
@@ -146,8 +137,8 @@ class RedisBulkSession(BulkSession):
             self._shared_cache = (
                 embed,
                 {
-                    "kwargs": _json(kwargs),
-                    "embed": _json(embed),
+                    "kwargs": fast_json(kwargs),
+                    "embed": fast_json(embed),
                     "content": '"content-encoding": "utf-8", "content-type": "application/json"',
                     "headers": dumps(headers)[1:-1],
                     "properties": dumps(properties)[1:-1],
