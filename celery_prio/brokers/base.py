@@ -57,6 +57,9 @@ class BrokerFigures:
 class FetchSource(ABC):
     """The worker's side of a broker, on the consumer's channel."""
 
+    #: The kombu channel the source fetches and acks on (Celery binds the worker's queues to it).
+    channel: Any = None
+
     def __init__(self, served: ServedQueues, settings: PrioSettings) -> None:
         self.served = served
         self.settings = settings
