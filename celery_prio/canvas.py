@@ -7,9 +7,11 @@ Celery publishes it one message at a time; here such a group goes through
 ``group_index``), same ``GroupResult``, a chunk per round trip.
 
 Eligible when every member is a plain signature of the same task with the
-same keyword arguments and no options but ``tier``, the group has at least
-``BULK_GROUP_MIN`` members, and nothing else rides on the call (no partial
-args, no chord, no links, not eager). Anything else keeps Celery's own path,
+same keyword arguments and no options but ``tier``, the task has a tier (from
+the call, the task or ``prio_routes``: an un-tiered task is left to the
+user's own routes), the group has at least ``BULK_GROUP_MIN`` members, and
+nothing else rides on the call (no partial args, no chord, no links, not
+eager). Anything else keeps Celery's own path,
 unchanged.
 """
 
@@ -21,6 +23,7 @@ from celery import Signature, group
 from celery.canvas import _basemap
 
 from .bulk import publish_calls
+from .routing import tier_of_call
 from .settings import settings_for
 
 #: Smaller groups gain little from chunking: they keep Celery's path.
@@ -30,7 +33,7 @@ _original_apply_async = group.apply_async
 
 
 def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[str, Any] | None:
-    """``(task name, tier or None)`` when the group can take the bulk path, else None."""
+    """``(task name, tier)`` when the group can take the bulk path, else None."""
     app = g.app
     if getattr(app, "_celery_prio_publishing", None) is None or app.conf.task_always_eager:
         return None
@@ -51,12 +54,11 @@ def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[s
             return None
     if first.task not in app.tasks:
         return None
-    tier = options.get("tier") or g.options.get("tier") or first.options.get("tier")
+    name = options.get("route_name") or first.task
+    explicit = options.get("tier") or g.options.get("tier") or first.options.get("tier")
+    tier = tier_of_call(settings_for(app), name, explicit, app.tasks.get(name))
     if tier is None:
-        name = options.get("route_name") or first.task
-        task = app.tasks.get(name)
-        settings = settings_for(app)
-        tier = getattr(task, "tier", None) or settings.tier_for_task_name(name) or settings.default_tier
+        return None  # no tier named: the user's own routes decide, on Celery's path
     return first.task, tier
 
 

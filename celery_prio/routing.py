@@ -22,16 +22,22 @@ from .tiers import TIERS, Tier, parse_tier
 _TIER_QUEUES: set[str] = set()
 
 
+def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = None) -> Tier | None:
+    """The tier of a call: the call's ``tier``, the task's, the ``prio_routes`` pattern; None if none names one.
+
+    None leaves the call to the user's own routes, then ``task_default_queue``.
+    """
+    raw = explicit if explicit is not None else getattr(task, "tier", None)
+    return parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
+
+
 def make_router(settings: PrioSettings):
     """A Celery router function (``task_routes`` entry) that maps tiers to queues."""
     queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
 
     def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
         # ``tier`` is ours, not a publish option: pop it so kombu never sees it.
-        raw = options.pop("tier", None)
-        if raw is None and task is not None:
-            raw = getattr(task, "tier", None)
-        tier: Tier | None = parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
+        tier = tier_of_call(settings, name, options.pop("tier", None), task)
         # Remembered for admission: a refused publish names its tier.
         last_route.tier = settings.default_tier if tier is None else tier
         if tier is None:

@@ -25,6 +25,7 @@ from .scheduler import TierScheduler
 from .served import ServedQueues
 from .settings import PrioSettings
 from .stats import WorkerStats
+from .tiers import Tier
 from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 
 logger = get_logger(__name__)
@@ -69,6 +70,7 @@ class TierFetcher:
             reraise=tuple(consumer.connection_errors),
         )
         self.figures = BrokerFigures()
+        self._handler: Any = None  # Celery's task handler (``on_message``)
         self._housekeeping: list[Any] = []
         self._settle_scheduled = False
         for queue in consumer.app.amqp.queues.consume_from.values():
@@ -77,11 +79,12 @@ class TierFetcher:
     # -- kombu.Consumer look-alike ------------------------------------------
     @property
     def on_message(self) -> Any:
-        return self.loop.deliver
+        return self._handler
 
     @on_message.setter
     def on_message(self, handler: Any) -> None:  # set by Celery's loop to its task handler
-        self.loop.deliver = None if handler is None else (lambda tier, message: self._deliver(handler, message))
+        self._handler = handler
+        self.loop.deliver = None if handler is None else self._deliver
 
     @property
     def active(self) -> bool:
@@ -175,9 +178,8 @@ class TierFetcher:
             tier = self.served.tier_of(getattr(message, "prio_queue", "") or "")
         self.source.dead_letter(message, reason[:500], tier)
 
-    def _deliver(self, handler: Any, message: Any) -> None:
+    def _deliver(self, tier: Tier, message: Any) -> None:
         """Hand one message to Celery; anything that cannot run goes to the dead letters, never up the stack."""
-        tier = self.loop.fetching
         if message.errors:
             try:
                 message._reraise_error()  # kombu keeps the decode error on the message
@@ -194,7 +196,7 @@ class TierFetcher:
         promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
         self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
         try:
-            handler(message)
+            self._handler(message)
         except Exception as exc:  # Celery's handler let it through: still never lost, never fatal
             logger.exception("celery-prio: could not hand a message to Celery")
             if not message.acknowledged:

@@ -102,6 +102,9 @@ def test_groups_and_chunks_of_one_task_take_the_bulk_path(env):
     chunked = add.chunks(zip(range(120), range(120), strict=True), 2).apply_async()  # 60 starmap calls
     assert chunked.results[0].id.endswith("-0")
     assert [x for part in chunked.get(timeout=60) for x in part] == [2 * i for i in range(120)]
+    untiered = group(env.app.tasks["t.noop"].s() for _ in range(60)).apply_async()  # user routes decide
+    assert not untiered.results[0].id.endswith("-0")
+    assert untiered.get(timeout=30) == [None] * 60
     small = group(add.s(i, 1) for i in range(5)).apply_async()  # too small to gain: Celery's own path
     assert not small.results[0].id.endswith("-0")
     assert small.get(timeout=30) == [1, 2, 3, 4, 5]

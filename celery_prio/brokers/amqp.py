@@ -404,7 +404,8 @@ class _BulkMessage(amqp.Message):
 
         from amqp.serialization import dumps
 
-        flags, shift, before, after, current = 0, 15, ([], []), ([], []), None
+        # The properties before the header table and those after it, as (formats, values).
+        flags, shift, before, after = 0, 15, ([], []), ([], [])
         current = before
         props = self.properties
         for key, proptype in self.PROPERTIES:

@@ -86,7 +86,7 @@ class RedisBulkSession(BulkSession):
         cap = settings.max_length[tier]
         self.cap = -1 if cap is None else cap
         self.depth = 0
-        self._shared_cache: tuple[Any, dict[str, str]] | None = None
+        self._shared_cache: dict[str, str] | None = None
         self._shared_kwargs: Any = None
 
     def publish(self, messages: list[Any]) -> list[bool]:
@@ -104,10 +104,10 @@ class RedisBulkSession(BulkSession):
         chunk shares is encoded once (``_shared``) and only the per-message
         fields are encoded here.
         """
-        if self.serializer != "json":
+        if self.serializer != "json" or self.channel.body_encoding != "base64":
             return self._envelope_generic(message)
-        args, kwargs, embed = message.body
-        shared = self._shared(message, kwargs, embed)
+        args, kwargs, _ = message.body
+        shared = self._shared(message)
         kwargs_json = shared["kwargs"] if kwargs is self._shared_kwargs else fast_json(kwargs)
         body = f"[{fast_json(args)}, {kwargs_json}, {shared['embed']}]".encode()
         headers = message.headers
@@ -121,30 +121,27 @@ class RedisBulkSession(BulkSession):
             f'"delivery_tag": "{task_id}.t"}}}}'
         )
 
-    def _shared(self, message: Any, kwargs: Any, embed: Any) -> dict[str, str]:
-        """What every message of this publish has in common, encoded once (rebuilt if a call differs)."""
-        if self._shared_cache is None or self._shared_cache[0] is not embed:
-            channel = self.channel
+    def _shared(self, message: Any) -> dict[str, str]:
+        """What every message of this publish has in common (one template per session), encoded once."""
+        if self._shared_cache is None:
+            _, kwargs, embed = message.body
             headers = {k: v for k, v in message.headers.items() if k not in self.VARIABLE_HEADERS}
             properties = {k: v for k, v in message.properties.items() if k != "correlation_id"}
             properties.update(
                 delivery_mode=2,
                 delivery_info={"exchange": "", "routing_key": self.queue},  # as a single publish to the queue
-                priority=channel.default_priority,
+                priority=self.channel.default_priority,
                 body_encoding="base64",
             )
-            self._shared_kwargs = kwargs
-            self._shared_cache = (
-                embed,
-                {
-                    "kwargs": fast_json(kwargs),
-                    "embed": fast_json(embed),
-                    "content": '"content-encoding": "utf-8", "content-type": "application/json"',
-                    "headers": dumps(headers)[1:-1],
-                    "properties": dumps(properties)[1:-1],
-                },
-            )
-        return self._shared_cache[1]
+            self._shared_kwargs = kwargs  # bulk() shares one kwargs object; group calls each have their own
+            self._shared_cache = {
+                "kwargs": fast_json(kwargs),
+                "embed": fast_json(embed),
+                "content": '"content-encoding": "utf-8", "content-type": "application/json"',
+                "headers": dumps(headers)[1:-1],
+                "properties": dumps(properties)[1:-1],
+            }
+        return self._shared_cache
 
     def _envelope_generic(self, message: Any) -> str:
         prepared = self.prepare(message)
