@@ -13,6 +13,7 @@ from .bulk import BulkQueueFull, BulkResult, bulk
 from .errors import ConfigError, QueueFull
 from .install import install
 from .settings import settings_for
+from .slices import slices
 from .tiers import TIERS, Tier, parse_tier
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "install",
     "parse_tier",
     "settings_for",
+    "slices",
 ]
 __version__ = "0.1.0"

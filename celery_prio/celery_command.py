@@ -68,6 +68,8 @@ def cluster_status(app, settings, adapter) -> dict:
             "rejected": worst("rejected"),
             "dropped": worst("dropped"),
             "dead_lettered": worst("dead_lettered"),
+            "yields": sum(r.yields for r in per_worker),
+            "slice_s": settings.slice[tier],
         }
     return {"tiers": rows, "dead": adapter.depth(settings.dead_letter_queue), "workers": sorted(reports)}
 
@@ -94,7 +96,7 @@ def status(ctx, as_json: bool, watch: float | None):
                     click.clear()
                 header = (
                     f"{'tier':<10}{'depth':>8}{'max':>9}{'workers':>9}{'dispatched':>12}{'running':>9}"
-                    f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}"
+                    f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}{'yields':>8}{'slice s':>9}"
                 )
                 click.echo(header)
                 for label, r in data["tiers"].items():
@@ -102,7 +104,7 @@ def status(ctx, as_json: bool, watch: float | None):
                         f"{label:<10}{r['depth']:>8}{_fmt(r['max_length']):>9}{r['workers']:>9}"
                         f"{r['dispatched']:>12}{r['running']:>9}{_fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
                         f"{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}{_fmt(r['slot_time_share'], '{:.2f}'):>8}"
-                        f"{r['configured_share']:>7.2f}"
+                        f"{r['configured_share']:>7.2f}{r['yields']:>8}{_fmt(r['slice_s'], '{:.2f}'):>9}"
                     )
                 click.echo(
                     f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "

@@ -18,3 +18,11 @@ DEAD_AT = "prio_dead_at"
 #: Suffix of the queue that takes messages promoted *into* a tier; workers
 #: serving the tier take from it first, oldest first.
 PROMOTED_SUFFIX = ".promoted"
+
+#: On the continuation of a sliced task: ``{"gen": n, "enqueued_at": t}``:
+#: the n-th resumption, and when the first run was published (waits and aging
+#: count from there).
+SLICE_HEADER = "prio_slice"
+#: Broker key/queue recording how many continuations of a task id were
+#: committed; a copy of an earlier generation is stale and is acked unrun.
+SLICE_MARKER_SUFFIX = ".slice."

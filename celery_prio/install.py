@@ -14,6 +14,7 @@ from .canvas import route_groups_through_bulk
 from .errors import ConfigError
 from .routing import make_router, register_tier_queues, stamp_enqueue_time
 from .settings import DEFAULTS, PrioSettings, load_settings
+from .slice_board import board
 from .tiers import parse_tier
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     app.conf.broker_transport_options = options
     guard_send_task(app, settings, publishing)
 
+    board()  # shared with the pool children: made here, before a worker forks them
     route_groups_through_bulk()
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")

@@ -52,3 +52,10 @@ class Ledger:
 
     def running(self, tier: Tier) -> int:
         return sum(1 for e in self._entries.values() if e.tier is tier)
+
+    def overrun(self, now: float) -> dict[Tier, float]:
+        """Per tier, run time of tasks still running beyond what the scheduler charged for them."""
+        out: dict[Tier, float] = {}
+        for e in self._entries.values():
+            out[e.tier] = out.get(e.tier, 0.0) + max(0.0, now - e.started - e.charge)
+        return out

@@ -66,6 +66,8 @@ class PrioCollector:
             "Unrunnable messages moved to the dead letters (Redis)",
             "dead_lettered",
         )
+        yield family(CounterMetricFamily, "yields", "Sliced runs that gave their slot to a higher tier", "yields")
+        yield family(GaugeMetricFamily, "slice_seconds", "Configured GPU time slice of the tier", "slice_s")
         depth = GaugeMetricFamily("celery_prio_queue_depth", "Messages waiting in the tier queue", labels=["tier"])
         for tier, value in self._depths().items():
             depth.add_metric([tier], value)

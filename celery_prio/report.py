@@ -10,6 +10,7 @@ earlier on the worker's own loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -17,7 +18,7 @@ from .brokers.base import BrokerFigures
 from .scheduler import TierScheduler
 from .served import ServedQueues
 from .stats import WorkerStats
-from .tiers import TIERS
+from .tiers import TIERS, Tier
 
 
 @dataclass
@@ -42,6 +43,9 @@ class TierReport:
     run_p50_ms: float | None = None
     run_p99_ms: float | None = None
     promoted_seen: int = 0
+    # GPU time slices: runs of sliced tasks that gave their slot back, and the tier's slice length.
+    yields: int = 0
+    slice_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> TierReport:
@@ -79,6 +83,8 @@ def build_report(
     broker: BrokerFigures,
     broker_calls: int,
     now: float,
+    yields: Mapping[Tier, int] | None = None,
+    slice_lengths: Mapping[Tier, float | None] | None = None,
 ) -> WorkerReport:
     shares = scheduler.shares()
     configured = scheduler.configured_shares()
@@ -108,6 +114,8 @@ def build_report(
             rejected=counted("rejected"),
             dropped=counted("dropped"),
             dead_lettered=counted("dead_lettered"),
+            yields=(yields or {}).get(tier, 0),
+            slice_s=(slice_lengths or {}).get(tier),
             **stats.summary(tier),
         )
     return WorkerReport(

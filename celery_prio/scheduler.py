@@ -63,6 +63,8 @@ class TierScheduler:
     #: Known run times (seconds) per tier; unknown tiers start at DEFAULT_ESTIMATE.
     estimates: Mapping[Tier, float] | None = None
     tiers: dict[Tier, TierState] = field(init=False)
+    #: A tier a sliced task just gave its slot to: first for the next free slot (see :meth:`hand_off_to`).
+    hand_off: Tier | None = field(init=False, default=None)
     vclock: float = field(init=False, default=0.0)
     # Count-mode floor: credit in "per 100 dispatches" units, full at 100.
     offline_credit: float = field(init=False, default=100.0)  # first offline task need not wait
@@ -88,9 +90,13 @@ class TierScheduler:
         low = self.tiers[Tier.BATCH].running + self.tiers[Tier.OFFLINE].running
         return low < self.concurrency - self.reserve
 
-    def effective_weights(self) -> dict[Tier, float]:
-        """Weights after idle tiers hand theirs down and the offline floor applies."""
-        busy = [t for t in TIERS if t in self.served and not self.tiers[t].idle]
+    def effective_weights(self, busy_now: Iterable[Tier] = ()) -> dict[Tier, float]:
+        """Weights after idle tiers hand theirs down and the offline floor applies.
+
+        ``busy_now``: tiers known to have work although their last fetch found none.
+        """
+        busy_now = frozenset(busy_now)
+        busy = [t for t in TIERS if t in self.served and (not self.tiers[t].idle or t in busy_now)]
         eff = {t: self.tiers[t].weight for t in TIERS}
         for tier in TIERS:
             if tier in busy or tier not in self.served:
@@ -118,13 +124,23 @@ class TierScheduler:
         """
         if self.free_slots() <= 0:
             return []
+        ranking = self._ranking(headroom=True)
+        if self.hand_off in ranking:
+            ranking.remove(self.hand_off)
+            ranking.insert(0, self.hand_off)
+        return ranking
+
+    def _ranking(
+        self, headroom: bool, overrun: Mapping[Tier, float] | None = None, busy_now: Iterable[Tier] = ()
+    ) -> list[Tier]:
         # Until one of its tasks finished, a tier's run time is a guess: give it
         # one slot, not a burst of slots it might hold for minutes.
         candidates = [t for t in TIERS if t in self.served and (self.tiers[t].measured or self.tiers[t].running == 0)]
-        if not self._low_tiers_allowed():
+        if headroom and not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
-        weights = self.effective_weights()
-        candidates.sort(key=lambda t: (self._finish_tag(t, weights), t.value))
+        weights = self.effective_weights(busy_now)
+        overrun = overrun or {}
+        candidates.sort(key=lambda t: (self._finish_tag(t, weights) + overrun.get(t, 0.0) / weights[t], t.value))
         if (
             self.mode == "count"
             and self.min_share > 0
@@ -136,9 +152,50 @@ class TierScheduler:
             candidates.insert(0, Tier.OFFLINE)
         return candidates
 
+    def preemptors(self, sliced: Iterable[Tier], overrun: Mapping[Tier, float] | None = None) -> dict[Tier, set[Tier]]:
+        """Per running sliced tier, the higher tiers it should give its slot to when they have work.
+
+        Only while no slot is free (a free slot takes the waiting work
+        anyway), and only to a *higher* tier that the scheduler would serve
+        before the yielding one if that slot were free: a tier over its share
+        of slot time does not preempt, so slicing never undoes the weights.
+        ``overrun``: per tier, run time of its running tasks beyond their
+        charge (``Ledger.overrun``): a task is charged its full run time only
+        when it ends, and a long sliced run must count for what it has used
+        so far, or it would always look cheaper than the work it should yield
+        to. The higher tier is ranked as busy (its last fetch may have found
+        it empty, handing its weight down).
+        """
+        if self.free_slots() > 0:
+            return {}
+        out: dict[Tier, set[Tier]] = {}
+        last = len(TIERS)
+        for high in TIERS:
+            if high not in self.served:
+                continue
+            rank = {t: i for i, t in enumerate(self._ranking(headroom=False, overrun=overrun, busy_now={high}))}
+            if high not in rank:
+                continue
+            for low in sliced:
+                if low.value > high.value and rank[high] < rank.get(low, last):
+                    out.setdefault(low, set()).add(high)
+        return out
+
+    def hand_off_to(self, tier: Tier | None) -> None:
+        """The next free slot goes to ``tier`` first: a sliced task is yielding it for ``tier``'s waiting work.
+
+        Without this the slot could go to a third tier whose turn it is by
+        virtual time (offline at its share), and the work the slice yielded
+        for would wait another slice. Cleared when ``tier`` is dispatched or
+        found empty.
+        """
+        self.hand_off = tier
+
     # -- events ------------------------------------------------------------
     def dispatched(self, tier: Tier) -> float:
         """A message of ``tier`` took a slot. Returns the charge to pass to :meth:`finished`."""
+        if tier is self.hand_off:
+            self.hand_off = None
         state = self.tiers[tier]
         state.idle = False
         self.vclock = max(self.vclock, state.vtime)
@@ -176,6 +233,8 @@ class TierScheduler:
         about its own share's rate; lifting it on every comparison would keep
         it behind the busy tiers for ever and never look at it again.
         """
+        if tier is self.hand_off:
+            self.hand_off = None
         state = self.tiers[tier]
         state.vtime = max(state.vtime, self.vclock)
         state.idle = True

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .headers import PROMOTED_SUFFIX
 from .settings import PrioSettings
 from .tiers import TIERS, Tier
 
@@ -46,10 +45,9 @@ class ServedQueues:
         for tier in TIERS:
             self._rr[tier] %= max(len(self.by_tier[tier]), 1)
         self.promoted = {
-            lower.promoted(): self.settings.queue_name(lower.promoted()) + PROMOTED_SUFFIX
-            for lower in AGING_TIERS
-            if self.settings.aging[lower] is not None
-            and self.settings.queue_name(lower.promoted()) in self.by_tier[lower.promoted()]
+            tier: lane
+            for tier, lane in self.settings.front_lanes().items()
+            if self.settings.queue_name(tier) in self.by_tier[tier]
         }
 
     @property

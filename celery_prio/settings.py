@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
+from .headers import PROMOTED_SUFFIX
 from .tiers import TIERS, Tier, parse_tier
 
 OVERFLOW_POLICIES = ("reject", "drop_oldest")
@@ -26,6 +27,9 @@ DEFAULTS: dict[str, Any] = {
     "reserve": None,  # None = 1 slot when concurrency >= 2, else 0
     "min_share": 5,  # offline's floor while it has work: per cent of slot time (count mode: dispatches per 100)
     "aging": {"realtime": None, "batch": 1800, "offline": 1800},
+    # GPU time slices: a task looping through celery_prio.slices() gives its slot back after
+    # holding it this long (seconds) when a higher tier waits. Realtime never yields.
+    "slice": {"realtime": None, "batch": 0.2, "offline": 0.5},
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
     "overflow": {"realtime": "reject", "batch": "reject", "offline": "drop_oldest"},
     "queue_prefix": "prio",
@@ -72,6 +76,7 @@ class PrioSettings:
     reserve: int | None
     min_share: float
     aging: dict[Tier, float | None]
+    slice: dict[Tier, float | None]
     max_length: dict[Tier, int | None]
     overflow: dict[Tier, str]
     queue_prefix: str
@@ -103,6 +108,17 @@ class PrioSettings:
             if name == self.queue_name(tier):
                 return tier
         return None
+
+    def front_lanes(self) -> dict[Tier, str]:
+        """``<tier>.promoted``: the queue served before a tier's own, for tiers that need one.
+
+        Aging promotes into it (oldest first, not behind the backlog a message
+        already outwaited) and a sliced task that yielded resumes from it (a
+        job keeps its turn in its tier: only higher tiers get in between).
+        """
+        tiers = {lower.promoted() for lower in TIERS if lower is not Tier.REALTIME and self.aging[lower] is not None}
+        tiers |= {t for t in TIERS if self.slice[t] is not None}
+        return {t: self.queue_name(t) + PROMOTED_SUFFIX for t in TIERS if t in tiers}
 
     def tier_for_task_name(self, name: str) -> Tier | None:
         for pattern, tier in self.routes:
@@ -183,6 +199,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         seconds = None if v is None else _number(f"aging[{t.label}]", v, minimum=0)
         aging[t] = None if t is Tier.REALTIME else seconds  # realtime has no tier above it
 
+    slices: dict[Tier, float | None] = {}
+    for t, v in _per_tier("slice", raw["slice"], DEFAULTS["slice"]).items():
+        if t is Tier.REALTIME and v is not None:
+            raise ConfigError(f"prio_slice[realtime] must be None: realtime never yields its slot, got {v!r}")
+        slices[t] = None if v is None else _number(f"slice[{t.label}]", v, minimum=0, inclusive=False)
+
     max_length: dict[Tier, int | None] = {}
     for t, v in _per_tier("max_length", raw["max_length"], DEFAULTS["max_length"]).items():
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -233,6 +255,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         reserve=reserve,
         min_share=min_share,
         aging=aging,
+        slice=slices,
         max_length=max_length,
         overflow=overflow,
         queue_prefix=prefix,

@@ -19,11 +19,12 @@ from celery.worker.consumer import Consumer
 
 from .brokers import BrokerFigures, Job, fetch_source_for
 from .fetchloop import FetchLoop
-from .headers import PROMOTED_HEADER
+from .headers import PROMOTED_HEADER, SLICE_HEADER
 from .report import WorkerReport, build_report
 from .scheduler import TierScheduler
 from .served import ServedQueues
 from .settings import PrioSettings
+from .slice_board import board
 from .stats import WorkerStats
 from .tiers import Tier
 from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
@@ -32,6 +33,12 @@ logger = get_logger(__name__)
 
 RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
 FIGURES_INTERVAL = 2.0  # seconds between reads of broker-wide figures for the report
+# GPU time slices: how often the board tells running sliced tasks which tiers
+# they yield to (no broker call: the tasks ask the broker themselves); and how
+# long after a sliced task last looked at the board it still counts as
+# running (elements should be much shorter than this).
+SLICE_CHECK_INTERVAL = 0.02
+SLICE_ACTIVE_WINDOW = 10.0
 
 
 class TierFetcher:
@@ -70,6 +77,7 @@ class TierFetcher:
             reraise=tuple(consumer.connection_errors),
         )
         self.figures = BrokerFigures()
+        self.board = board()
         self._handler: Any = None  # Celery's task handler (``on_message``)
         self._housekeeping: list[Any] = []
         self._settle_scheduled = False
@@ -115,6 +123,7 @@ class TierFetcher:
             # (revoked before they ran, cancelled): retire them anyway.
             Job(RECONCILE_INTERVAL, self._settle, "settle ended requests"),
             Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
+            Job(SLICE_CHECK_INTERVAL, self._check_slices, "tell sliced tasks whom they yield to"),
             *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
         ]
         self._read_figures()
@@ -166,7 +175,18 @@ class TierFetcher:
 
     def _settle(self) -> None:
         self._settle_scheduled = False
+        # A sliced task that yielded did so for a waiting tier: the freed slot goes to it.
+        yielded_for = self.board.yielded_for()
+        if yielded_for is not None:
+            self.scheduler.hand_off_to(yielded_for)
         self.loop.settle(worker_state.reserved_requests)
+        self.board.refilled()
+
+    def _check_slices(self) -> None:
+        """Tell running sliced tasks which higher tiers they yield to (no broker call here)."""
+        sliced = self.board.active_tiers(time.monotonic() - SLICE_ACTIVE_WINDOW)
+        preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
+        self.board.set_preemptors(preemptors)
 
     def _read_figures(self) -> None:
         self.figures = self.source.broker_figures(time.monotonic())
@@ -193,8 +213,11 @@ class TierFetcher:
             return
         headers = message.headers or {}
         now = time.time()
-        promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
-        self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
+        if SLICE_HEADER in headers:  # a sliced task resuming: neither a new arrival nor a new promotion
+            self.stats.observe_fetch(tier, None, False, now)
+        else:
+            promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
+            self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
         try:
             self._handler(message)
         except Exception as exc:  # Celery's handler let it through: still never lost, never fatal
@@ -207,7 +230,14 @@ class TierFetcher:
     def report(self) -> WorkerReport:
         """No broker call: safe from the metrics thread."""
         return build_report(
-            self.scheduler, self.stats, self.served, self.figures, self.source.broker_calls, time.monotonic()
+            self.scheduler,
+            self.stats,
+            self.served,
+            self.figures,
+            self.source.broker_calls,
+            time.monotonic(),
+            yields=self.board.yields(),
+            slice_lengths=self.settings.slice,
         )
 
     def info(self) -> dict[str, Any]:

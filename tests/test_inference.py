@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -258,3 +259,33 @@ def test_a_model_that_cannot_load_stops_the_worker_with_the_reason(tasks_env, tm
     log = worker.log()
     assert message in log, log[-3000:]
     assert "ready." not in log
+
+
+@pytest.mark.slow
+def test_sliced_example_tasks_match_unsliced_runs(tmp_path):
+    """classify_batch and evaluate yield to realtime classify between micro-batches; results are unchanged."""
+    need_broker("redis")
+    env = TasksEnv(tmp_path, reserve=0, slice={"batch": 0.01, "offline": 0.01})
+    env.env["INFERENCE_MICRO_BATCH"] = "8"
+    try:
+        env.start_worker(concurrency=1)
+        app = env.app
+        x, _ = images(450)
+        x = (x * 9)[:4000]
+        batch = app.send_task("tasks.inference.classify_batch", args=[x], tier="batch")
+        report = app.send_task("tasks.inference.evaluate", tier="offline")
+        realtime = []
+        while not (batch.ready() and report.ready()):
+            realtime.append(app.send_task("tasks.inference.classify", args=[x[len(realtime) % 450]], tier="realtime"))
+            time.sleep(0.05)
+        assert all(r.get(timeout=30)["label"] in range(10) for r in realtime)
+        assert batch.get(timeout=5) == predict.classify_batch(x, micro_batch=8)
+        unsliced = predict.evaluate()
+        got = report.get(timeout=5)
+        assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in unsliced.items() if k != "seconds"}
+        from celery_prio.control import collect_prio_stats
+
+        (stats,) = collect_prio_stats(app, timeout=3, limit=1).values()
+        assert stats["tiers"]["batch"]["yields"] + stats["tiers"]["offline"]["yields"] >= 1, stats
+    finally:
+        env.close()

@@ -76,6 +76,10 @@ def test_prometheus_endpoint_parses_with_per_tier_series(env):
     assert {s.labels["tier"] for s in buckets} == {"realtime", "batch", "offline"}
     counts = [s for s in families["celery_prio_wait_seconds"].samples if s.name.endswith("_count")]
     assert all(s.value == 3 for s in counts)
+    slice_length = {s.labels["tier"]: s.value for s in families["celery_prio_slice_seconds"].samples}
+    assert slice_length == {"batch": 0.2, "offline": 0.5}  # realtime never yields: no series
+    yields = {s.labels["tier"]: s.value for s in families["celery_prio_yields"].samples if s.name.endswith("_total")}
+    assert yields == {"realtime": 0, "batch": 0, "offline": 0}
 
 
 def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):

@@ -172,3 +172,53 @@ def test_bad_arguments(kwargs, message):
     args = {"weights": W821, "concurrency": 1, **kwargs}
     with pytest.raises(ValueError, match=message):
         TierScheduler(**args)
+
+
+# -- GPU time slices: who gives a slot back ------------------------------------------
+
+
+def busy_with(tier: Tier, concurrency: int = 1, reserve: int = 0, weights=W821) -> TierScheduler:
+    s = TierScheduler(weights=weights, concurrency=concurrency, reserve=reserve, estimates={R: 0.02, B: 0.1, O: 0.4})
+    for _ in range(concurrency):
+        s.dispatched(tier)
+    return s
+
+
+def test_a_sliced_batch_task_yields_to_realtime_only_when_no_slot_is_free():
+    assert busy_with(B).preemptors({B}) == {B: {R}}
+    s = TierScheduler(weights=W821, concurrency=2, reserve=0, estimates={R: 0.02, B: 0.1, O: 0.4})
+    s.dispatched(B)
+    assert s.preemptors({B}) == {}  # the free slot takes realtime
+
+
+def test_only_higher_tiers_preempt_and_realtime_never_yields():
+    assert busy_with(R).preemptors({R}) == {}
+    assert busy_with(B).preemptors({B}) == {B: {R}}
+    assert busy_with(O).preemptors({O}) == {O: {R, B}}
+
+
+def test_a_tier_over_its_share_does_not_preempt():
+    """Batch that already had far more than its share of slot time does not push offline out."""
+    s = busy_with(O, weights={R: 8, B: 1, O: 8})
+    for _ in range(50):
+        s.finished(B, 0.1, s.dispatched(B))
+    assert s.preemptors({O}) == {O: {R}}
+
+
+def test_a_tier_found_empty_still_preempts_and_running_time_so_far_is_charged():
+    s = TierScheduler(weights=W821, concurrency=1, reserve=0, estimates={R: 0.02, B: 1.0, O: 0.4})
+    for _ in range(3):
+        s.finished(R, 0.02, s.dispatched(R))
+    s.dispatched(B)
+    s.empty(R)  # realtime's last fetch found nothing: its weight went to batch...
+    # ...but it ranks first once it has work, against the time the batch run has used by now.
+    assert s.preemptors({B}, overrun={B: 5.0}) == {B: {R}}
+
+
+def test_hand_off_puts_the_tier_yielded_to_first_once():
+    s = TierScheduler(weights={R: 1, B: 100, O: 1}, concurrency=1, reserve=0, estimates={R: 0.02, B: 0.1, O: 0.4})
+    assert s.order()[0] is B
+    s.hand_off_to(R)
+    assert s.order()[0] is R
+    s.finished(R, 0.02, s.dispatched(R))
+    assert s.order()[0] is B

@@ -78,6 +78,29 @@ def make_app(
     def noop() -> None:
         return None
 
+    def sliced_body(task, tag: str, n: int, seconds: float, start: int, done: list | None) -> list[int]:
+        """n elements of ``seconds`` each; returns [i*i for i in range(n)] however often it yields."""
+        done = [] if done is None else done
+        for i in celery_prio.slices(task, range(start, n), resume="start", carry={"done": done}):
+            record("el", f"{tag}:{i}")
+            time.sleep(seconds)
+            done.append(i * i)
+        record("done", tag)
+        return done
+
+    @app.task(shared=False, name="t.sliced", bind=True, tier="batch", acks_late=True)
+    def sliced(self, tag: str, n: int, seconds: float, start: int = 0, done: list | None = None) -> list[int]:
+        return sliced_body(self, tag, n, seconds, start, done)
+
+    @app.task(shared=False, name="t.sliced_offline", bind=True, tier="offline", acks_late=True)
+    def sliced_offline(self, tag: str, n: int, seconds: float, start: int = 0, done: list | None = None) -> list:
+        return sliced_body(self, tag, n, seconds, start, done)
+
+    @app.task(shared=False, name="t.record_sum", tier="batch")
+    def record_sum(results: list) -> int:
+        record("body", "chord")
+        return sum(sum(r) for r in results)
+
     if os.environ.get("PRIO_TEST_BOGUS_TIER") == "1":  # a typo a worker must refuse to start with
 
         @app.task(shared=False, name="t.bogus", tier="nope")

@@ -117,6 +117,8 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
             channel = channel.connection.channel()
             channel.queue_declare(queue=name, passive=True)
         channel.queue_bind(queue=name, exchange=name, routing_key=name)
+    for tier in settings.front_lanes():
+        channel = _declare_front_lane(channel, settings, tier)
     for tier in TIERS:
         dlx = dead_letter_exchange(settings, tier)
         channel.exchange_declare(exchange=dlx, type="headers", durable=True, auto_delete=False)
@@ -127,30 +129,27 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
             arguments={"x-match": "all-with-x", "x-first-death-reason": "maxlen"},
         )
         if aging_ttl(settings, tier) is not None:
-            upper = tier.promoted()
-            # Uncapped (its source tier is capped); ages on like its tier.
-            ttl = aging_ttl(settings, upper)
-            args = None
-            if ttl:
-                args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, upper)}
-            try:
-                channel.queue_declare(
-                    queue=promoted_queue(settings, upper), durable=True, auto_delete=False, arguments=args
-                )
-            except PreconditionFailed as exc:
-                logger.error(
-                    "celery-prio: %s exists with other arguments (%s): %s; using it as it is",
-                    promoted_queue(settings, upper),
-                    args,
-                    exc.reply_text,
-                )
-                channel = channel.connection.channel()
             channel.queue_bind(
-                queue=promoted_queue(settings, upper),
+                queue=promoted_queue(settings, tier.promoted()),
                 exchange=dlx,
                 routing_key="",
                 arguments={"x-match": "all-with-x", "x-first-death-reason": "expired"},
             )
+    return channel
+
+
+def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
+    """``<tier>.promoted``: uncapped (what enters it was admitted already); ages on like its tier."""
+    name = promoted_queue(settings, tier)
+    ttl = aging_ttl(settings, tier)
+    args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, tier)} if ttl else None
+    try:
+        channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
+    except PreconditionFailed as exc:
+        logger.error(
+            "celery-prio: %s exists with other arguments (%s): %s; using it as it is", name, args, exc.reply_text
+        )
+        channel = channel.connection.channel()
     return channel
 
 

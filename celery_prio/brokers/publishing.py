@@ -8,6 +8,7 @@ confirm nack, translated here to ``QueueFull``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -49,6 +50,22 @@ class Publishing:
     def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:
         """``QueueFull`` when ``exc`` is this broker saying the tier is full; else None."""
         return None
+
+    def publish_continuation(self, app: Any, settings: PrioSettings, continuation: Any) -> None:
+        """Publish a sliced task's next run (``brokers.continuations.Continuation``) and record it atomically."""
+        self.continuations.publish(app, settings, continuation)
+
+    def committed_continuations(self, app: Any, settings: PrioSettings, task_id: str) -> int:
+        """How many continuations of ``task_id`` were committed (a copy of an earlier generation is stale)."""
+        return self.continuations.committed(app, settings, task_id)
+
+    def waiting_in_tier(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier`` (queue and front lane), asked from a pool child (its own connection)."""
+        return self.continuations.waiting(app, settings, tier)
+
+    @property
+    def continuations(self) -> Any:
+        raise NotImplementedError("GPU time slices support Redis and RabbitMQ")
 
     def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
         """A session that publishes chunks of prepared task messages to ``tier`` (see ``celery_prio.bulk``)."""
@@ -100,6 +117,12 @@ class BulkSession:
 class RedisPublishing(Publishing):
     kind = "redis"
 
+    @functools.cached_property
+    def continuations(self) -> Any:
+        from .continuations import RedisContinuations
+
+        return RedisContinuations()
+
     def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
@@ -128,6 +151,12 @@ class AmqpPublishing(Publishing):
 
     def __init__(self) -> None:
         self._declared = threading.Event()
+
+    @functools.cached_property
+    def continuations(self) -> Any:
+        from .continuations import AmqpContinuations
+
+        return AmqpContinuations()
 
     def check(self, settings: PrioSettings) -> None:
         tier = Tier.BATCH  # the only tier that both receives promotions and can age

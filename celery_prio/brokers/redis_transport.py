@@ -17,6 +17,7 @@ from kombu.utils.json import dumps
 
 from ..errors import QueueFull
 from ..tiers import parse_tier
+from .continuations import pending_marker
 from .publishing import BulkSession, fast_json
 from .redis_scripts import BULK_PUSH, GUARDED_PUSH
 
@@ -25,6 +26,18 @@ class Channel(kombu_redis.Channel):
     _guarded_push = None
 
     def _put(self, queue: str, message: dict, **kwargs: Any) -> None:
+        marker = getattr(pending_marker, "value", None)
+        if marker is not None:
+            # A sliced task's continuation: pushed together with the count of
+            # committed continuations, or neither (see brokers/continuations).
+            pending_marker.value = None
+            key, generation, ttl = marker
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=True)
+                pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
+                pipe.set(key, generation, ex=ttl)
+                pipe.execute()
+            return
         options = self.connection.client.transport_options
         caps = options.get("prio_caps") or {}
         rule = caps.get(queue)

@@ -71,24 +71,47 @@ def classify_batch(images: Any, micro_batch: int = MICRO_BATCH) -> list[dict[str
     batch = check_batch(images)
     out: list[dict[str, Any]] = []
     for start in range(0, len(batch), micro_batch):  # bounded memory on the device
-        out.extend(as_prediction(p) for p in forward(batch[start : start + micro_batch]))
+        out.extend(classify_chunk(batch[start : start + micro_batch]))
     return out
+
+
+def classify_chunk(batch: np.ndarray) -> list[dict[str, Any]]:
+    """One micro-batch of checked images: one forward pass."""
+    return [as_prediction(p) for p in forward(batch)]
+
+
+def evaluation_split() -> tuple[np.ndarray, np.ndarray]:
+    """The held-out images and labels ``evaluate`` scores."""
+    _, x_test, _, y_test = held_out_split()
+    return x_test, y_test
+
+
+def predict_labels(images: np.ndarray) -> list[int]:
+    return [int(label) for label in forward(images).argmax(1)]
 
 
 def evaluate() -> dict[str, Any]:
     started = time.perf_counter()
-    _, x_test, _, y_test = held_out_split()
-    chunks = range(0, len(x_test), MICRO_BATCH)
-    predicted = np.concatenate([forward(x_test[i : i + MICRO_BATCH]).argmax(1) for i in chunks])
+    x_test, _ = evaluation_split()
+    predicted: list[int] = []
+    for i in range(0, len(x_test), MICRO_BATCH):
+        predicted.extend(predict_labels(x_test[i : i + MICRO_BATCH]))
+    return evaluation_report(predicted, time.perf_counter() - started)
+
+
+def evaluation_report(predicted: list[int], seconds: float) -> dict[str, Any]:
+    """Accuracy, per-class accuracy and confusion matrix of ``predicted`` against the held-out labels."""
+    _, y_test = evaluation_split()
+    guesses = np.asarray(predicted)
     classes = 10
     confusion = np.zeros((classes, classes), dtype=int)
-    for truth, guess in zip(y_test, predicted, strict=True):
+    for truth, guess in zip(y_test, guesses, strict=True):
         confusion[truth, guess] += 1
     per_class = {str(c): round(float(confusion[c, c] / max(confusion[c].sum(), 1)), 4) for c in range(classes)}
     return {
-        "accuracy": round(float((predicted == y_test).mean()), 4),
+        "accuracy": round(float((guesses == y_test).mean()), 4),
         "n": len(y_test),
         "per_class": per_class,
         "confusion_matrix": confusion.tolist(),
-        "seconds": round(time.perf_counter() - started, 4),
+        "seconds": round(seconds, 4),
     }

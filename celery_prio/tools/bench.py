@@ -106,15 +106,18 @@ class Run:
         )
         self.worker.wait_ready()
 
-    def publish(self, tier: str, seconds: float) -> float:
-        """Publish one task; returns its send time (the task records it back)."""
+    def publish(self, tier: str, seconds: float, elements: int = 0) -> float:
+        """Publish one task (sliced into ``elements`` when given); returns its send time (recorded back)."""
         sent = time.time()
+        task, args = self.task, (tier, sent, seconds)
+        if elements:
+            task, args = self.app.tasks["bench.sliced"], (tier, sent, elements, seconds / elements)
         if self.mode == "prio":
-            self.task.apply_async((tier, sent, seconds), tier=tier)
+            task.apply_async(args, tier=tier)
         elif self.mode == "native":
-            self.task.apply_async((tier, sent, seconds), priority=NATIVE_PRIORITY[self.kind][tier])
+            task.apply_async(args, priority=NATIVE_PRIORITY[self.kind][tier])
         else:
-            self.task.apply_async((tier, sent, seconds))
+            task.apply_async(args)
         return sent
 
     def read(self) -> list[tuple[str, float, float, float]]:
@@ -133,9 +136,35 @@ class Run:
             names = [f"{self.prefix}.{t}" for t in ("realtime", "batch", "offline", "fifo", "dead")]
             names += [f"{n}.{suffix}" for n in names[:3] for suffix in ("promoted", "dlx")]
             adapter.delete_queues(names)
+            if self.kind == "redis":  # continuation markers of sliced tasks (RabbitMQ's expire by themselves)
+                client = adapter.client
+                for key in client.scan_iter(f"{self.prefix}.slice.*"):
+                    client.delete(key)
         finally:
             adapter.close()
         self.records.delete(f"{self.prefix}:records")
+
+
+def poisson_streams(streams: dict[str, tuple[float, Any]], t0: float, t_end: float, rng: random.Random) -> dict:
+    """Call each stream's publish at Poisson arrival times (``{name: (rate, publish)}``) until ``t_end``."""
+    due = {name: t0 + rng.expovariate(rate) for name, (rate, _) in streams.items()}
+    sent = dict.fromkeys(streams, 0)
+    while due and min(due.values()) < t_end:
+        name = min(due, key=due.__getitem__)
+        time.sleep(max(0.0, due[name] - time.time()))
+        rate, publish = streams[name]
+        publish()
+        sent[name] += 1
+        due[name] += rng.expovariate(rate)
+    return sent
+
+
+def await_realtime(run: Run, sent_rt: int, grace: float) -> tuple[float, list]:
+    """Wait up to ``grace`` for the realtime stragglers; the cut-off time and the records then."""
+    deadline = time.time() + grace
+    while time.time() < deadline and sum(r[0] == "realtime" for r in run.read()) < sent_rt:
+        time.sleep(0.1)
+    return time.time(), run.read()
 
 
 def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: Any) -> dict[str, Any]:
@@ -147,27 +176,16 @@ def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: 
             offline_sent.append(run.publish("offline", w.offline_seconds))
         for _ in range(w.batch_backlog):
             run.publish("batch", w.batch_seconds)
-        rng = random.Random(w.seed)
         t0 = time.time()
         t_end = t0 + w.duration
-        sent_rt = 0
-        next_rt = t0 + rng.expovariate(w.rt_rate)
-        next_off = t0 + rng.expovariate(w.offline_rate) if w.offline_rate else math.inf
-        while min(next_rt, next_off) < t_end:
-            if next_rt <= next_off:
-                time.sleep(max(0.0, next_rt - time.time()))
-                run.publish("realtime", w.rt_seconds)
-                sent_rt += 1
-                next_rt += rng.expovariate(w.rt_rate)
-            else:
-                time.sleep(max(0.0, next_off - time.time()))
-                offline_sent.append(run.publish("offline", w.offline_seconds))
-                next_off += rng.expovariate(w.offline_rate)
-        deadline = time.time() + w.grace
-        while time.time() < deadline and sum(r[0] == "realtime" for r in run.read()) < sent_rt:
-            time.sleep(0.1)
-        cutoff = time.time()
-        records = run.read()
+        streams = {"realtime": (w.rt_rate, lambda: run.publish("realtime", w.rt_seconds))}
+        if w.offline_rate:
+            streams["offline"] = (
+                w.offline_rate,
+                lambda: offline_sent.append(run.publish("offline", w.offline_seconds)),
+            )
+        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed))["realtime"]
+        cutoff, records = await_realtime(run, sent_rt, w.grace)
     finally:
         run.close()
     return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
@@ -420,6 +438,108 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     }
 
 
+@dataclass
+class SliceWorkload:
+    """Issue 12's mix: long batch jobs of short slices, an offline backlog, a light realtime stream."""
+
+    duration: float = 20.0
+    concurrency: int = 1
+    rt_rate: float = 5.0
+    rt_seconds: float = 0.02
+    batch_seconds: float = 2.0
+    offline_seconds: float = 4.0
+    element_seconds: float = 0.1
+    offline_backlog: int = 5
+    grace: float = 5.0
+    seed: int = 11
+
+    @property
+    def batch_backlog(self) -> int:
+        return math.ceil(1.5 * self.concurrency * self.duration / self.batch_seconds)
+
+
+def run_sliced(mode: str, broker: str, w: SliceWorkload, logdir: Path, **app_options: Any) -> dict[str, Any]:
+    """Realtime latency and batch/offline items per second on a worker busy with long sliced tasks."""
+    run = Run(mode, broker, logdir, w.concurrency, **app_options)
+    try:
+        run.start_worker()
+        for _ in range(w.offline_backlog):
+            run.publish("offline", w.offline_seconds, elements=round(w.offline_seconds / w.element_seconds))
+        for _ in range(w.batch_backlog):
+            run.publish("batch", w.batch_seconds, elements=round(w.batch_seconds / w.element_seconds))
+        t0 = time.time()
+        t_end = t0 + w.duration
+        streams = {"realtime": (w.rt_rate, lambda: run.publish("realtime", w.rt_seconds))}
+        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed))["realtime"]
+        cutoff, records = await_realtime(run, sent_rt, w.grace)
+    finally:
+        run.close()
+    rt = [end - sent for tier, sent, _, end in records if tier == "realtime"]
+    rt += [cutoff - t0] * max(0, sent_rt - len(rt))
+    items = {
+        tier: sum(1 for r in records if r[0] == f"{tier}-item" and t0 <= r[3] <= t_end) for tier in ("batch", "offline")
+    }
+    return {
+        "realtime": {"sent": sent_rt, "p50_ms": percentile(rt, 50) * 1000, "p99_ms": percentile(rt, 99) * 1000},
+        "batch_items_per_s": items["batch"] / w.duration,
+        "offline_items_per_s": items["offline"] / w.duration,
+    }
+
+
+def bench_slices(broker: str, w: SliceWorkload, logdir: Path, out=print) -> dict[str, Any]:
+    kind = _broker_kind(broker)
+    sliced = {"slice": {"batch": w.element_seconds, "offline": w.element_seconds}}
+    unsliced = {"slice": {"batch": None, "offline": None}}
+    one = {
+        "native": run_sliced("native", broker, w, logdir),
+        "prio_sliced": run_sliced("prio", broker, w, logdir, reserve=0, **sliced),
+        "prio_unsliced": run_sliced("prio", broker, w, logdir, reserve=0, **unsliced),
+    }
+    w4 = replace(w, concurrency=4)
+    four = {
+        "prio_reserve1_unsliced": run_sliced("prio", broker, w4, logdir, reserve=1, **unsliced),
+        "prio_reserve0_sliced": run_sliced("prio", broker, w4, logdir, reserve=0, **sliced),
+    }
+    out(
+        f"\n== {kind}: GPU time slices, {w.duration:.0f} s: batch {w.batch_seconds:.0f} s tasks and an offline "
+        f"backlog of {w.offline_seconds:.0f} s tasks, both in {w.element_seconds * 1000:.0f} ms slices; "
+        f"realtime {w.rt_rate:.0f}/s x {w.rt_seconds * 1000:.0f} ms"
+    )
+    out(f"{'setup':<34}{'rt p50 ms':>11}{'rt p99 ms':>11}{'batch items/s':>15}{'offline items/s':>17}")
+    for label, rows in (("concurrency 1", one), ("concurrency 4", four)):
+        for name, m in rows.items():
+            out(
+                f"{label + ', ' + name:<34}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
+                f"{m['batch_items_per_s']:>15.1f}{m['offline_items_per_s']:>17.1f}"
+            )
+    native, prio = one["native"], one["prio_sliced"]
+    ratios = {
+        "c1_batch_items_prio_over_native": prio["batch_items_per_s"] / max(native["batch_items_per_s"], 1e-9),
+        "c1_rt_p99_ms": prio["realtime"]["p99_ms"],
+        "c1_rt_p99_native_ms": native["realtime"]["p99_ms"],
+        "c4_rt_p99_sliced_over_reserve": four["prio_reserve0_sliced"]["realtime"]["p99_ms"]
+        / four["prio_reserve1_unsliced"]["realtime"]["p99_ms"],
+        "c4_low_items_sliced_over_reserve": (
+            four["prio_reserve0_sliced"]["batch_items_per_s"] + four["prio_reserve0_sliced"]["offline_items_per_s"]
+        )
+        / max(
+            four["prio_reserve1_unsliced"]["batch_items_per_s"] + four["prio_reserve1_unsliced"]["offline_items_per_s"],
+            1e-9,
+        ),
+    }
+    out(
+        f"concurrency 1: realtime P99 {prio['realtime']['p99_ms']:.0f} ms sliced (target <= 200) vs native priority "
+        f"{native['realtime']['p99_ms']:.0f} ms; batch items/s prio/native = "
+        f"{ratios['c1_batch_items_prio_over_native']:.2f} (target >= 0.85)"
+    )
+    out(
+        f"concurrency 4: reserve 0 + slices vs reserve 1 unsliced: realtime P99 ratio "
+        f"{ratios['c4_rt_p99_sliced_over_reserve']:.2f} (target <= 1), batch+offline items/s ratio "
+        f"{ratios['c4_low_items_sliced_over_reserve']:.2f} (target > 1)"
+    )
+    return {"concurrency_1": one, "concurrency_4": four, "ratios": ratios}
+
+
 SEED_DAY = 5_000_000  # batch items a day on the seed's platform
 
 
@@ -493,7 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-tasks", type=int, default=200_000, help="tasks for the bulk publish figure")
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
-        "--only", choices=("mixed", "bulk"), help="run one part: the mixed workload/drain/publish, or bulk publish"
+        "--only",
+        choices=("mixed", "bulk", "slices"),
+        help="run one part: the mixed workload/drain/publish, bulk publish, or GPU time slices",
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -510,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
                     results["redis"]["aging_pass_s"] = bench_aging_pass()
             if args.only in (None, "bulk"):
                 results[kind]["bulk"] = bench_bulk(broker, args.bulk_plain_tasks, args.bulk_tasks, Path(tmp))
+            if args.only in (None, "slices"):
+                slices_w = SliceWorkload(duration=args.duration)
+                results[kind]["slices"] = bench_slices(broker, slices_w, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(w), "results": results}, indent=2))
     return 0

@@ -62,6 +62,14 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
             time.sleep(seconds)
         recorder.rpush(key, f"{tier} {sent} {start} {time.time()}")
 
+    @app.task(shared=False, name="bench.sliced", bind=True)
+    def sliced(self, tier: str, sent: float, elements: int, element_seconds: float, start: int = 0) -> None:
+        """GPU work cut into elements; under celery-prio it may yield between them (plain Celery: runs through)."""
+        for _ in celery_prio.slices(self, range(start, elements), resume="start"):
+            began = time.time()
+            time.sleep(element_seconds)
+            recorder.rpush(key, f"{tier}-item {sent} {began} {time.time()}")
+
     return app
 
 

@@ -1,0 +1,190 @@
+"""Continuations of sliced tasks: publish the next generation and record it in one atomic step.
+
+A run that yields publishes its continuation and only then is its own
+message acked. A crash between the two would leave two copies of the task:
+the continuation and the redelivered original. So the broker also records,
+atomically with the publish, how many continuations of the task id were
+committed; a redelivered copy of an earlier generation then knows it is
+stale and is acked without running (``slices._SliceRun.begin``).
+
+* Redis: the continuation's LPUSH and ``SET <prefix>.slice.<id> <n>`` in one
+  MULTI/EXEC (the transport's ``_put`` does both when a marker is pending).
+* RabbitMQ: a marker queue ``<prefix>.slice.<id>`` (``x-expires``) and an AMQP
+  transaction that publishes the continuation and one marker message
+  together; the marker queue's message count is the committed count.
+
+Markers expire after :data:`MARKER_TTL` seconds; a stale copy cannot be
+redelivered later than that in practice (Redis: ``visibility_timeout``;
+RabbitMQ: when the dead worker's connection closes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..headers import SLICE_MARKER_SUFFIX
+from ..settings import PrioSettings
+from ..tiers import Tier
+
+MARKER_TTL = 24 * 3600
+
+#: (key, generation, ttl) for the next ``_put`` on this thread (Redis).
+pending_marker = threading.local()
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The next run of a sliced task: ``send(producer=None, **publish_options)`` publishes it."""
+
+    task_id: str
+    generation: int
+    send: Callable[..., None]
+    tier: Tier
+    enqueued_at: Any
+
+
+def marker_name(settings: PrioSettings, task_id: str) -> str:
+    return f"{settings.queue_prefix}{SLICE_MARKER_SUFFIX}{task_id}"
+
+
+class _ProcessConnection:
+    """One broker connection per process (pool children are forked: never share the parent's socket)."""
+
+    transport_options: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self._conn: Any = None
+        self._pid = 0
+
+    def connection(self, app: Any) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            self._conn = app.connection_for_write(transport_options=self.transport_options)
+            self._pid = os.getpid()
+        return self._conn
+
+    def forget(self) -> None:
+        self._conn = None  # reconnect on the next call
+
+
+def tier_queues(settings: PrioSettings, tier: Tier) -> list[str]:
+    """Where ``tier``'s work waits: its queue and its front lane."""
+    lane = settings.front_lanes().get(tier)
+    return [settings.queue_name(tier), *([lane] if lane else [])]
+
+
+class RedisContinuations(_ProcessConnection):
+    def _client(self, app: Any) -> Any:
+        return self.connection(app).default_channel.client
+
+    def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
+        # Aging on Redis reads the enqueue stamp the continuation carries: nothing to adjust.
+        pending_marker.value = (marker_name(settings, continuation.task_id), continuation.generation, MARKER_TTL)
+        try:
+            continuation.send()
+        finally:
+            left = pending_marker.value
+            pending_marker.value = None
+        if left is not None:
+            raise RuntimeError("celery-prio: the continuation was not published through celery-prio's Redis transport")
+
+    def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
+        raw = self._guarded(app, lambda client: client.get(marker_name(settings, task_id)))
+        try:
+            return int(raw or 0)
+        except ValueError:  # anyone can write to Redis: an unreadable marker marks nothing stale
+            return 0
+
+    def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
+
+        def count(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for name in tier_queues(settings, tier):
+                pipe.llen(name)
+            return sum(int(n) for n in pipe.execute())
+
+        return self._guarded(app, count)
+
+    def _guarded(self, app: Any, work: Callable[[Any], Any]) -> Any:
+        conn = self.connection(app)
+        try:
+            return work(self._client(app))
+        except conn.connection_errors:
+            self.forget()
+            raise
+
+
+class AmqpContinuations(_ProcessConnection):
+    # A channel is either in confirm mode or in a transaction: this connection's are not in confirm mode.
+    transport_options = {"confirm_publish": False}
+
+    def _with_channel(self, app: Any, work: Callable[[Any], Any]) -> Any:
+        conn = self.connection(app)
+        try:
+            channel = conn.channel()
+            try:
+                return work(channel)
+            finally:
+                if channel.is_open:
+                    channel.close()
+        except conn.connection_errors:
+            self.forget()
+            raise
+
+    def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
+        from kombu import Producer
+
+        marker = marker_name(settings, continuation.task_id)
+        options = _aging_expiration(settings, continuation.tier, continuation.enqueued_at)
+
+        def work(channel: Any) -> None:
+            channel.queue_declare(
+                queue=marker, durable=True, auto_delete=False, arguments={"x-expires": MARKER_TTL * 1000}
+            )
+            channel.tx_select()
+            continuation.send(Producer(channel, auto_declare=False), **options)
+            channel.basic_publish(
+                channel.prepare_message(b"", properties={"delivery_mode": 2}), exchange="", routing_key=marker
+            )
+            channel.tx_commit()
+
+        self._with_channel(app, work)
+
+    def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
+        from amqp.exceptions import NotFound
+
+        def work(channel: Any) -> int:
+            try:
+                return channel.queue_declare(queue=marker_name(settings, task_id), passive=True).message_count
+            except NotFound:
+                return 0
+
+        return self._with_channel(app, work)
+
+    def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""
+        from amqp.exceptions import NotFound
+
+        def work(channel: Any) -> int:
+            total = 0
+            for name in tier_queues(settings, tier):
+                try:
+                    total += channel.queue_declare(queue=name, passive=True).message_count
+                except NotFound:  # the channel is closed by the broker: nothing more to ask on it
+                    break
+            return total
+
+        return self._with_channel(app, work)
+
+
+def _aging_expiration(settings: PrioSettings, tier: Tier, enqueued_at: Any) -> dict[str, float]:
+    """RabbitMQ ages by time in queue: the continuation expires (is promoted) when the first publish would have."""
+    threshold = settings.aging[tier]
+    if threshold is None or not isinstance(enqueued_at, (int, float)):
+        return {}
+    return {"expiration": max(threshold - (time.time() - enqueued_at), 0.001)}

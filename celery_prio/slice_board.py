@@ -1,0 +1,121 @@
+"""Shared memory between a worker's main process and its pool children, for GPU time slices.
+
+A sliced task (``celery_prio.slices``) runs in a pool child. Whether it may
+yield depends on two things known in different places:
+
+* the worker's slots and scheduler (main process): is every slot busy, and
+  which higher tiers would the scheduler serve before this task's tier if
+  the slot were free? The main process writes that here, per tier, as a set
+  of *preemptors*, every few tens of ms (no broker call);
+* whether one of those tiers has work waiting (the broker): the child asks
+  the broker itself at an element boundary, only when its slice is used up
+  and its tier has preemptors, so a waiting realtime task is seen at the
+  next boundary, not one check interval later.
+
+A child that sees N tasks waiting claims a yield only while fewer than N
+yields are pending (not yet refilled by the main process), so one waiting
+task frees one slot, not every slot. Children also write when they last
+looked (the main process keeps preemptors up to date only while a sliced
+task runs), count their yields (reported by the worker) and name the tier
+they yielded for (the freed slot goes to it).
+
+The memory is an anonymous shared mapping made by ``install()`` in the
+process that becomes the worker's main process, before the pool forks, so
+every child (also those re-forked by ``worker_max_tasks_per_child``) shares
+it. Where it is not shared (a pool that does not fork from that process)
+children see no preemptors and never yield: slicing degrades to running
+straight through, never to a wrong yield.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import struct
+from collections.abc import Iterable, Mapping
+
+from .tiers import TIERS, Tier
+
+# Per tier: asked_at (monotonic seconds), yields (count), preemptors (bit mask of tiers).
+_TIER = struct.Struct("=dqq")
+# Global: pending yields (since the main process last refilled), tier yielded for (+1; 0 none).
+_GLOBAL = struct.Struct("=qq")
+_SIZE = _GLOBAL.size + _TIER.size * len(TIERS)
+
+
+def _mask(tiers: Iterable[Tier]) -> int:
+    return sum(1 << t.value for t in tiers)
+
+
+class SliceBoard:
+    def __init__(self) -> None:
+        self._mem = mmap.mmap(-1, _SIZE)  # anonymous, MAP_SHARED: inherited across fork
+        self._lock = multiprocessing.get_context("fork").Lock()
+
+    # -- layout ------------------------------------------------------------------
+    def _tier_offset(self, tier: Tier) -> int:
+        return _GLOBAL.size + _TIER.size * tier.value
+
+    def _read_tier(self, tier: Tier) -> tuple[float, int, int]:
+        return _TIER.unpack_from(self._mem, self._tier_offset(tier))
+
+    def _write_tier(self, tier: Tier, asked_at: float, yields: int, preemptors: int) -> None:
+        _TIER.pack_into(self._mem, self._tier_offset(tier), asked_at, yields, preemptors)
+
+    # -- pool child ----------------------------------------------------------------
+    def ask(self, tier: Tier, now: float) -> list[Tier]:
+        """A sliced task of ``tier`` is at an element boundary: the tiers that would preempt it now."""
+        with self._lock:
+            _, yields, preemptors = self._read_tier(tier)
+            self._write_tier(tier, now, yields, preemptors)
+        return [t for t in TIERS if preemptors >> t.value & 1]
+
+    def claim_yield(self, tier: Tier, for_tier: Tier, waiting: int) -> bool:
+        """Yield ``tier``'s slot to ``for_tier``, which has ``waiting`` tasks, unless enough yields are pending."""
+        with self._lock:
+            pending, _ = _GLOBAL.unpack_from(self._mem, 0)
+            asked_at, yields, preemptors = self._read_tier(tier)
+            if not preemptors >> for_tier.value & 1 or pending >= waiting:
+                return False
+            _GLOBAL.pack_into(self._mem, 0, pending + 1, for_tier.value + 1)
+            self._write_tier(tier, asked_at, yields + 1, preemptors)
+            return True
+
+    # -- main process ----------------------------------------------------------------
+    def active_tiers(self, since: float) -> list[Tier]:
+        """Tiers whose sliced tasks looked at the board at or after ``since``."""
+        with self._lock:
+            return [t for t in TIERS if self._read_tier(t)[0] >= since]
+
+    def set_preemptors(self, preemptors: Mapping[Tier, Iterable[Tier]]) -> None:
+        """Per running sliced tier, the tiers it yields to when they have work (absent: none)."""
+        with self._lock:
+            for tier in TIERS:
+                asked_at, yields, _ = self._read_tier(tier)
+                self._write_tier(tier, asked_at, yields, _mask(preemptors.get(tier, ())))
+
+    def yielded_for(self) -> Tier | None:
+        """The tier the last pending yield was for (the freed slot goes to it first)."""
+        with self._lock:
+            _, for_tier = _GLOBAL.unpack_from(self._mem, 0)
+        return Tier(for_tier - 1) if for_tier else None
+
+    def refilled(self) -> None:
+        """The main process refilled the slots that yields freed: their waiting work is no longer waiting."""
+        with self._lock:
+            _GLOBAL.pack_into(self._mem, 0, 0, 0)
+
+    def yields(self) -> Mapping[Tier, int]:
+        with self._lock:
+            return {t: self._read_tier(t)[1] for t in TIERS}
+
+
+_BOARD: SliceBoard | None = None
+
+
+def board() -> SliceBoard:
+    """This process's board (made on first use; ``install()`` makes it before a worker forks)."""
+    global _BOARD
+    if _BOARD is None:
+        _BOARD = SliceBoard()
+    return _BOARD

@@ -1,0 +1,60 @@
+"""The shared board between a worker's main process and its pool children (GPU time slices)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from celery_prio.slice_board import SliceBoard
+from celery_prio.tiers import Tier
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+
+
+def test_a_tier_yields_only_to_its_preemptors():
+    board = SliceBoard()
+    board.set_preemptors({B: {R}})
+    assert board.ask(B, 1.0) == [R]
+    assert board.ask(O, 1.0) == []
+    assert not board.claim_yield(O, R, 1)  # offline has no preemptor
+    assert not board.claim_yield(B, B, 1)  # batch does not yield to batch
+    assert board.claim_yield(B, R, 1)
+    assert board.yields() == {R: 0, B: 1, O: 0}
+    assert board.yielded_for() is R
+
+
+def test_one_waiting_task_frees_one_slot_until_refilled():
+    board = SliceBoard()
+    board.set_preemptors({B: {R}, O: {R}})
+    assert board.claim_yield(B, R, 1)
+    assert not board.claim_yield(O, R, 1)  # the one waiting task already has a slot coming
+    assert board.claim_yield(O, R, 2)  # a second waiting task gets a second slot
+    board.refilled()
+    assert board.yielded_for() is None
+    assert board.claim_yield(B, R, 1)  # new waiting work after the refill
+
+
+def test_no_preemptors_no_yield():
+    board = SliceBoard()
+    board.set_preemptors({B: {R}})
+    board.set_preemptors({})
+    assert board.ask(B, 2.0) == []
+    assert not board.claim_yield(B, R, 5)
+
+
+def _child(board: SliceBoard, queue) -> None:
+    preemptors = board.ask(Tier.OFFLINE, 123.0)
+    queue.put((preemptors, board.claim_yield(Tier.OFFLINE, Tier.BATCH, 1)))
+
+
+def test_a_forked_child_shares_the_board():
+    board = SliceBoard()
+    board.set_preemptors({O: {R, B}})
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(board, queue))
+    child.start()
+    assert queue.get(timeout=10) == ([R, B], True)
+    child.join(10)
+    assert board.yields()[O] == 1
+    assert board.yielded_for() is B
+    assert board.active_tiers(since=100.0) == [O]
