@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from .errors import QueueFull
 from .headers import ENQUEUED_HEADER
-from .settings import settings_for
+from .settings import settings_for, subqueue_name_problem
 from .tiers import parse_tier
 
 #: The apply_async options bulk understands; each applies to every item.
@@ -103,13 +103,11 @@ def bulk(
     the refusal is published. ``drop_oldest`` tiers take every item and
     dead-letter the oldest, as single publishes do.
     """
-    if subqueue is not None:
-        raise ValueError("bulk(subqueue=...) needs sub-queues, which this version does not have yet")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"bulk() does not take {', '.join(unknown)}; options it applies to every item: {OPTIONS}")
     kwargs = options.pop("kwargs", None) or {}
-    return publish_calls(task, ((args, kwargs) for args in args_iterable), tier, chunk, options)
+    return publish_calls(task, ((args, kwargs) for args in args_iterable), tier, chunk, options, subqueue=subqueue)
 
 
 def publish_calls(
@@ -119,9 +117,12 @@ def publish_calls(
     chunk: int,
     options: dict[str, Any],
     group: bool = False,
+    subqueue: str | None = None,
 ) -> BulkResult:
     """``bulk``'s engine: ``(args, kwargs)`` per call; ``group`` publishes them as one Celery group."""
     tier = parse_tier(tier)
+    if subqueue is not None and subqueue_name_problem(subqueue):
+        raise ValueError(f"bulk(): {subqueue_name_problem(subqueue)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number >= 1, got {chunk!r}")
     app = task._get_app()
@@ -141,7 +142,7 @@ def publish_calls(
     embed = template.body[2]
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=3)
-        session = app._celery_prio_publishing.bulk_session(app, connection, settings, tier)
+        session = app._celery_prio_publishing.bulk_session(app, connection, settings, tier, subqueue)
         while batch := list(itertools.islice(items, chunk)):
             stamp = time.time()
             messages = []

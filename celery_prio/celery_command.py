@@ -71,7 +71,32 @@ def cluster_status(app, settings, adapter) -> dict:
             "yields": sum(r.yields for r in per_worker),
             "slice_s": settings.slice[tier],
         }
-    return {"tiers": rows, "dead": adapter.depth(settings.dead_letter_queue), "workers": sorted(reports)}
+    return {
+        "tiers": rows,
+        "subqueues": subqueue_rows(reports.values(), adapter),
+        "dead": adapter.depth(settings.dead_letter_queue),
+        "workers": sorted(reports),
+    }
+
+
+def subqueue_rows(reports, adapter) -> dict:
+    """The queues inside the tiers that the workers report (their busiest, and ``other``), summed over workers."""
+    rows: dict = {}
+    for report in reports:
+        for name, sub in report.subqueues.items():
+            row = rows.setdefault(name, {"tier": sub.tier, "dispatched": 0, "busy_seconds": 0.0, "wait_p99_ms": None})
+            row["dispatched"] += sub.dispatched
+            row["busy_seconds"] = round(row["busy_seconds"] + sub.busy_seconds, 3)
+            if sub.wait_p99_ms is not None:
+                row["wait_p99_ms"] = max(row["wait_p99_ms"] or 0.0, sub.wait_p99_ms)
+    tier_busy: dict = {}
+    for row in rows.values():
+        tier_busy[row["tier"]] = tier_busy.get(row["tier"], 0.0) + row["busy_seconds"]
+    for name, row in rows.items():
+        busy = tier_busy.get(row["tier"]) or 0.0
+        row["share_of_tier"] = round(row["busy_seconds"] / busy, 4) if busy else None
+        row["depth"] = None if name == "other" else adapter.depth(name)
+    return rows
 
 
 def _fmt(value, pattern="{}") -> str:
@@ -106,6 +131,15 @@ def status(ctx, as_json: bool, watch: float | None):
                         f"{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}{_fmt(r['slot_time_share'], '{:.2f}'):>8}"
                         f"{r['configured_share']:>7.2f}{r['yields']:>8}{_fmt(r['slice_s'], '{:.2f}'):>9}"
                     )
+                if data["subqueues"]:
+                    click.echo(
+                        f"\n{'queue inside its tier':<40}{'depth':>8}{'dispatched':>12}{'share':>8}{'wait p99 ms':>13}"
+                    )
+                    for name, r in data["subqueues"].items():
+                        click.echo(
+                            f"{name:<40}{_fmt(r['depth']):>8}{r['dispatched']:>12}"
+                            f"{_fmt(r['share_of_tier'], '{:.2f}'):>8}{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}"
+                        )
                 click.echo(
                     f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "
                     f"workers: {', '.join(data['workers']) or 'none answered'}"

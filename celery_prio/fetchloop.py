@@ -44,6 +44,7 @@ class FetchLoop:
         clock: Callable[[], float],
         poll_interval: float,
         reraise: tuple[type[BaseException], ...] = (),
+        lanes: Any = None,
     ) -> None:
         self.source = source
         self.scheduler = scheduler
@@ -54,9 +55,12 @@ class FetchLoop:
         self.clock = clock
         self.poll_interval = poll_interval
         self.reraise = reraise  # connection errors: the consumer reconnects and builds a new loop
+        # The tier's time among its queues (``ServedQueues``: dispatched/finished/empty per queue), if any.
+        self.lanes = lanes
         self.deliver: Callable[[Tier, Any], None] | None = None
         self.active = False
         self.fetching: Tier | None = None  # the tier of the message being delivered right now
+        self.fetching_queue: str | None = None  # and the queue it came from
         self._timer: Any = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
 
@@ -101,17 +105,20 @@ class FetchLoop:
             for tier in take.empty:
                 self.scheduler.empty(tier)
                 self.stats.observe_empty(tier)
+            if self.lanes is not None:
+                for queue in take.empty_queues:
+                    self.lanes.empty(queue)
             if take.message is None:
                 if take.dead_lettered:
                     continue
                 self._retry_later()
                 return
             self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
-            self.fetching = take.tier
+            self.fetching, self.fetching_queue = take.tier, take.queue
             try:
                 self.deliver(take.tier, take.message)
             finally:
-                self.fetching = None
+                self.fetching = self.fetching_queue = None
         self.loop.call_soon(self.pump)
 
     def _retry_later(self) -> None:
@@ -122,7 +129,9 @@ class FetchLoop:
     # -- slots -------------------------------------------------------------
     def started(self, key: Hashable, tier: Tier) -> None:
         """A delivered message took a slot (Celery handed its request to the pool)."""
-        self.ledger.start(key, tier, self.scheduler.dispatched(tier), self.clock())
+        queue = self.fetching_queue if self.fetching is not None else None
+        queue_charge = self.lanes.dispatched(queue) if self.lanes is not None and queue else 0.0
+        self.ledger.start(key, tier, self.scheduler.dispatched(tier), self.clock(), queue, queue_charge)
 
     def settle(self, still_held: Container) -> None:
         """Retire what no longer holds a slot, charge its run time, refill."""
@@ -132,6 +141,8 @@ class FetchLoop:
         for s in settled:
             self.scheduler.finished(s.tier, s.runtime, s.charge)
             self.stats.observe_run(s.tier, s.runtime)
+            if self.lanes is not None and s.queue:
+                self.lanes.finished(s.queue, s.runtime, s.queue_charge)
         if self.active:
             self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
             self.pump()

@@ -54,7 +54,10 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     routes = app.conf.task_routes
     routes = [] if routes is None else list(routes) if isinstance(routes, (list, tuple)) else [routes]
     routes = [r for r in routes if not getattr(r, "celery_prio", False)]
-    app.conf.task_routes = [make_router(settings), *routes]
+    app.conf.task_routes = [
+        make_router(settings, lambda tier, sub: publishing.subqueue(app, settings, tier, sub)),
+        *routes,
+    ]
 
     app.conf.worker_consumer = CONSUMER_PATH
     # The Redis transport pays one RPOP per priority step on every fetch;

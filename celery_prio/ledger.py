@@ -19,6 +19,8 @@ class Entry:
     tier: Tier
     started: float
     charge: float  # what the scheduler charged at dispatch (see TierScheduler.dispatched)
+    queue: str | None = None  # the queue it came from, and what that queue was charged inside its tier
+    queue_charge: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Settled:
     tier: Tier
     runtime: float
     charge: float
+    queue: str | None = None
+    queue_charge: float = 0.0
 
 
 class Ledger:
@@ -38,8 +42,10 @@ class Ledger:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def start(self, key: Hashable, tier: Tier, charge: float, now: float) -> None:
-        self._entries[key] = Entry(tier, now, charge)
+    def start(
+        self, key: Hashable, tier: Tier, charge: float, now: float, queue: str | None = None, queue_charge: float = 0.0
+    ) -> None:
+        self._entries[key] = Entry(tier, now, charge, queue, queue_charge)
 
     def settle(self, still_held: Container, now: float) -> list[Settled]:
         """Retire every entry whose key is no longer in ``still_held``; what each ran for."""
@@ -47,7 +53,8 @@ class Ledger:
         out = []
         for key in done:
             entry = self._entries.pop(key)
-            out.append(Settled(entry.tier, max(0.0, now - entry.started), entry.charge))
+            runtime = max(0.0, now - entry.started)
+            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge))
         return out
 
     def running(self, tier: Tier) -> int:

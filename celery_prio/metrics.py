@@ -68,6 +68,16 @@ class PrioCollector:
         )
         yield family(CounterMetricFamily, "yields", "Sliced runs that gave their slot to a higher tier", "yields")
         yield family(GaugeMetricFamily, "slice_seconds", "Configured GPU time slice of the tier", "slice_s")
+        # Queues inside the tiers: the busiest by name, the rest as subqueue="other" (bounded cardinality).
+        for name, attr, kind, doc in (
+            ("subqueue_dispatched", "dispatched", CounterMetricFamily, "Tasks this worker took from the queue"),
+            ("subqueue_busy_seconds", "busy_seconds", CounterMetricFamily, "Slot time used by the queue's tasks"),
+            ("subqueue_share_of_tier", "share_of_tier", GaugeMetricFamily, "Share of its tier's slot time"),
+        ):
+            metric = kind(f"celery_prio_{name}", doc, labels=["tier", "subqueue"])
+            for queue, row in report.subqueues.items():
+                metric.add_metric([row.tier, queue], float(getattr(row, attr)))
+            yield metric
         depth = GaugeMetricFamily("celery_prio_queue_depth", "Messages waiting in the tier queue", labels=["tier"])
         for tier, value in self._depths().items():
             depth.add_metric([tier], value)

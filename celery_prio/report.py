@@ -17,7 +17,7 @@ from typing import Any
 from .brokers.base import BrokerFigures
 from .scheduler import TierScheduler
 from .served import ServedQueues
-from .stats import WorkerStats
+from .stats import WorkerStats, percentile
 from .tiers import TIERS, Tier
 
 
@@ -54,6 +54,26 @@ class TierReport:
 
 
 @dataclass
+class SubqueueReport:
+    """One queue inside a tier (the tier's own queue or a sub-queue), or ``other``: the rest together."""
+
+    tier: str = ""
+    dispatched: int = 0
+    busy_seconds: float = 0.0
+    share_of_tier: float = 0.0  # of the tier's measured slot time on this worker
+    wait_p99_ms: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SubqueueReport:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data if isinstance(data, dict) else {}).items() if k in known})
+
+
+#: Sub-queues reported by name (most slot time first); the rest are summed under ``other``.
+TOP_SUBQUEUES = 10
+
+
+@dataclass
 class WorkerReport:
     concurrency: int = 0
     reserve: int = 0
@@ -61,6 +81,7 @@ class WorkerReport:
     broker_calls: int = 0
     polled_queues: list[str] = field(default_factory=list)
     tiers: dict[str, TierReport] = field(default_factory=dict)
+    subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,9 +91,12 @@ class WorkerReport:
         """A report from an ``inspect`` reply; None for a reply that is not one (another consumer, an error)."""
         if not isinstance(data, dict) or not isinstance(data.get("tiers"), dict):
             return None
-        known = {f.name for f in fields(cls)} - {"tiers"}
+        known = {f.name for f in fields(cls)} - {"tiers", "subqueues"}
         report = cls(**{k: v for k, v in data.items() if k in known})
         report.tiers = {t.label: TierReport.from_dict(data["tiers"].get(t.label)) for t in TIERS}
+        subqueues = data.get("subqueues")
+        if isinstance(subqueues, dict):
+            report.subqueues = {str(k): SubqueueReport.from_dict(v) for k, v in subqueues.items()}
         return report
 
 
@@ -119,6 +143,7 @@ def build_report(
             **stats.summary(tier),
         )
     return WorkerReport(
+        subqueues=subqueue_reports(served),
         concurrency=scheduler.concurrency,
         reserve=scheduler.reserve,
         scheduler=scheduler.mode,
@@ -126,3 +151,31 @@ def build_report(
         polled_queues=served.all_names(),
         tiers=tiers,
     )
+
+
+def subqueue_reports(served: ServedQueues, top: int = TOP_SUBQUEUES) -> dict[str, SubqueueReport]:
+    """The busiest queues inside the tiers by name, the rest as ``other`` (bounded label cardinality)."""
+    states = served.queue_states()
+    tier_busy: dict[Tier, float] = {}
+    for tier, _, state in states:
+        tier_busy[tier] = tier_busy.get(tier, 0.0) + state.busy_seconds
+    states.sort(key=lambda row: (-row[2].busy_seconds, -row[2].dispatched, row[1]))
+    out: dict[str, SubqueueReport] = {}
+    other = SubqueueReport(tier="")
+    for i, (tier, name, state) in enumerate(states):
+        share = state.busy_seconds / tier_busy[tier] if tier_busy[tier] else 0.0
+        if i < top:
+            p99 = percentile(list(state.waits), 99)
+            out[name] = SubqueueReport(
+                tier=tier.label,
+                dispatched=state.dispatched,
+                busy_seconds=round(state.busy_seconds, 3),
+                share_of_tier=round(share, 4),
+                wait_p99_ms=None if p99 is None else round(p99 * 1000, 1),
+            )
+        else:
+            other.dispatched += state.dispatched
+            other.busy_seconds = round(other.busy_seconds + state.busy_seconds, 3)
+    if len(states) > top:
+        out["other"] = other
+    return out

@@ -10,11 +10,12 @@ the default tier's queue.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .admission import last_route
 from .headers import ENQUEUED_HEADER
-from .settings import PrioSettings
+from .settings import PrioSettings, subqueue_name_problem
 from .tiers import TIERS, Tier, parse_tier
 
 # Tier queue names of every installed app in this process; the publish hook
@@ -31,17 +32,43 @@ def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = N
     return parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
 
 
-def make_router(settings: PrioSettings):
-    """A Celery router function (``task_routes`` entry) that maps tiers to queues."""
+def subqueue_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any, call: tuple) -> str | None:
+    """The sub-queue of a call: the call's ``subqueue``, the task's, ``prio_subqueue_key``; None if none names one.
+
+    Raises ``ValueError`` naming the problem for a name that cannot be a queue's.
+    """
+    sub = explicit if explicit is not None else getattr(task, "subqueue", None)
+    if sub is None:
+        sub = settings.subqueue_for_call(name, *call)
+    if sub is not None:
+        problem = subqueue_name_problem(sub)
+        if problem:
+            raise ValueError(f"task {name!r}: {problem}")
+    return sub
+
+
+def make_router(settings: PrioSettings, subqueue: Callable[[Tier, str], Any] | None = None):
+    """A Celery router function (``task_routes`` entry) that maps tiers (and sub-queues) to queues.
+
+    ``subqueue(tier, name)`` returns the kombu Queue of a sub-queue (made
+    known to the workers on first use).
+    """
     queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
 
     def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
-        # ``tier`` is ours, not a publish option: pop it so kombu never sees it.
+        # ``tier`` and ``subqueue`` are ours, not publish options: pop them so kombu never sees them.
         tier = tier_of_call(settings, name, options.pop("tier", None), task)
+        sub = subqueue_of_call(settings, name, options.pop("subqueue", None), task, (args, kwargs, options))
+        if sub is not None and tier is None:
+            tier = settings.default_tier  # a sub-queue lives in a tier: the default one unless named
         # Remembered for admission: a refused publish names its tier.
         last_route.tier = settings.default_tier if tier is None else tier
         if tier is None:
             return None
+        if sub is not None:
+            if subqueue is None:
+                raise ValueError("sub-queues need celery_prio.install(app)")
+            return {"queue": subqueue(tier, sub)}
         return {"queue": queue_for[tier]}
 
     route_by_tier.celery_prio = True  # type: ignore[attr-defined]
@@ -52,9 +79,13 @@ def register_tier_queues(settings: PrioSettings) -> None:
     _TIER_QUEUES.update(settings.queue_name(t) for t in TIERS)
 
 
+def register_subqueue(name: str) -> None:
+    _TIER_QUEUES.add(name)
+
+
 def stamp_enqueue_time(
     sender: Any = None, routing_key: str | None = None, headers: dict | None = None, **_: Any
 ) -> None:
-    """``before_task_publish`` receiver: record when the message entered its tier."""
+    """``before_task_publish`` receiver: record when the message entered its tier (or sub-queue)."""
     if headers is not None and routing_key in _TIER_QUEUES:
         headers[ENQUEUED_HEADER] = time.time()

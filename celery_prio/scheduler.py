@@ -11,10 +11,14 @@ realtime far less than 8/11 of the time.
 
 Around that core:
 * work conserving: the caller tries tiers in the returned order and skips the
-  empty ones. An idle tier's weight goes to the next busy tier *below* it
-  (realtime's unused time to batch, batch's to offline), not spread over all:
-  quiet online traffic should speed up batch jobs, not balloon offline work
-  to a third of the GPU. Offline keeps its own weight and its floor;
+  empty ones. What an idle tier's weight does is ``idle_share``:
+  ``"proportional"`` (default, the seed's weighted round robin and what fair
+  queueing does): it is simply not used, so the busy tiers share the slots in
+  their configured ratio (realtime quiet: batch:offline 2:1);
+  ``"next_below"``: it goes to the next busy tier *below* it (realtime's
+  unused time to batch, batch's to offline), so quiet online traffic speeds
+  up batch jobs rather than offline work (realtime quiet: 10:1). Offline keeps
+  its floor either way;
 * headroom: batch/offline together never occupy more than
   ``concurrency - reserve`` slots, so a realtime arrival never waits behind a
   long evaluation;
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 from .tiers import TIERS, Tier
 
+IDLE_SHARE_RULES = ("proportional", "next_below")
 EWMA_ALPHA = 0.2  # weight of the newest run time in a tier's estimate
 DEFAULT_ESTIMATE = 0.1  # seconds assumed for a tier until one task of it finished
 
@@ -59,6 +64,7 @@ class TierScheduler:
     reserve: int = 0
     min_share: float = 5.0
     mode: str = "time"
+    idle_share: str = "proportional"
     served: frozenset[Tier] = frozenset(TIERS)
     #: Known run times (seconds) per tier; unknown tiers start at DEFAULT_ESTIMATE.
     estimates: Mapping[Tier, float] | None = None
@@ -72,6 +78,8 @@ class TierScheduler:
     def __post_init__(self) -> None:
         if self.mode not in ("time", "count"):
             raise ValueError(f"scheduler mode must be 'time' or 'count', got {self.mode!r}")
+        if self.idle_share not in IDLE_SHARE_RULES:
+            raise ValueError(f"idle_share must be one of {IDLE_SHARE_RULES}, got {self.idle_share!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
         self.tiers = {t: TierState(weight=float(self.weights[t])) for t in TIERS}
@@ -91,7 +99,7 @@ class TierScheduler:
         return low < self.concurrency - self.reserve
 
     def effective_weights(self, busy_now: Iterable[Tier] = ()) -> dict[Tier, float]:
-        """Weights after idle tiers hand theirs down and the offline floor applies.
+        """Weights after idle tiers hand theirs down (``idle_share="next_below"``) and the offline floor applies.
 
         ``busy_now``: tiers known to have work although their last fetch found none.
         """
@@ -99,7 +107,7 @@ class TierScheduler:
         busy = [t for t in TIERS if t in self.served and (not self.tiers[t].idle or t in busy_now)]
         eff = {t: self.tiers[t].weight for t in TIERS}
         for tier in TIERS:
-            if tier in busy or tier not in self.served:
+            if self.idle_share == "proportional" or tier in busy or tier not in self.served:
                 continue
             below = [t for t in busy if t > tier]
             if below:
@@ -228,15 +236,19 @@ class TierScheduler:
     def empty(self, tier: Tier) -> None:
         """Fetching from ``tier`` found nothing: it stops banking virtual time.
 
-        Its virtual time is lifted to the clock *now* and then left alone, so
-        that as the busy tiers advance it comes first again and is probed at
-        about its own share's rate; lifting it on every comparison would keep
-        it behind the busy tiers for ever and never look at it again.
+        Its virtual time is lifted to where the busy tiers' next tasks start
+        (the lowest of their virtual times: a returning tier then starts level
+        with the most deserving busy tier, not ahead of all of them) and then
+        left alone, so that as the busy tiers advance it comes first again and
+        is probed at about its own share's rate; lifting it on every
+        comparison would keep it behind the busy tiers for ever and never look
+        at it again.
         """
         if tier is self.hand_off:
             self.hand_off = None
         state = self.tiers[tier]
-        state.vtime = max(state.vtime, self.vclock)
+        busy = [s.vtime for t, s in self.tiers.items() if t is not tier and t in self.served and not s.idle]
+        state.vtime = max(state.vtime, min(busy) if busy else self.vclock)
         state.idle = True
 
     def set_served(self, tiers: Iterable[Tier]) -> None:

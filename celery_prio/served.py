@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .settings import PrioSettings
+from .subqueues import QueueShares, QueueState
 from .tiers import TIERS, Tier
 
 #: Aging moves batch -> realtime and offline -> batch.
@@ -25,14 +26,15 @@ class Candidate:
 
     tier: Tier
     name: str
-    position: int | None  # place in the tier's round robin; None for the promoted sub-queue
+    lane: bool = False  # the tier's front lane (promoted / resumed work), asked first
 
 
 class ServedQueues:
     def __init__(self, settings: PrioSettings, names: Iterable[str] = ()) -> None:
         self.settings = settings
         self.names: list[str] = []
-        self._rr = dict.fromkeys(TIERS, 0)
+        self.discovered: list[str] = []
+        self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
         self.set_names(names)
 
     def tier_of(self, name: str) -> Tier:
@@ -40,10 +42,29 @@ class ServedQueues:
         return self.settings.default_tier if tier is None else tier
 
     def set_names(self, names: Iterable[str]) -> None:
+        """The queues the worker consumes (``-Q``, ``add_consumer``)."""
         self.names = list(dict.fromkeys(names))
-        self.by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
+        self._regroup()
+
+    def set_discovered(self, names: Iterable[str]) -> None:
+        """Sub-queues published to since (found in the broker): served where the worker serves their tier."""
+        self.discovered = [n for n in dict.fromkeys(names) if self._is_subqueue(n)]
+        self._regroup()
+
+    def _is_subqueue(self, name: str) -> bool:
+        tier = self.settings.tier_for_queue(name)
+        return tier is not None and self.settings.subqueue_of(name, tier) is not None
+
+    def _regroup(self) -> None:
+        by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
+        for name in self.discovered:
+            tier = self.tier_of(name)
+            # A worker serves a tier's sub-queues when it serves the tier's own queue.
+            if self.settings.queue_name(tier) in by_tier[tier] and name not in by_tier[tier]:
+                by_tier[tier].append(name)
+        self.by_tier = by_tier
         for tier in TIERS:
-            self._rr[tier] %= max(len(self.by_tier[tier]), 1)
+            self.shares[tier].forget(by_tier[tier])
         self.promoted = {
             tier: lane
             for tier, lane in self.settings.front_lanes().items()
@@ -56,20 +77,39 @@ class ServedQueues:
         return [t for t in TIERS if self.by_tier[t]]
 
     def all_names(self) -> list[str]:
-        """Every queue a fetch may ask, promoted sub-queues included."""
-        return self.names + list(self.promoted.values())
+        """Every queue a fetch may ask, front lanes and sub-queues included."""
+        return [n for t in TIERS for n in self.by_tier[t]] + list(self.promoted.values())
 
     def candidates(self, tier: Tier) -> list[Candidate]:
-        """``tier``'s queues in asking order: promoted first, then round robin from the next in turn."""
-        out = [Candidate(tier, self.promoted[tier], None)] if tier in self.promoted else []
-        queues = self.by_tier[tier]
-        start = self._rr[tier]
-        for i in range(len(queues)):
-            position = (start + i) % len(queues)
-            out.append(Candidate(tier, queues[position], position))
+        """``tier``'s queues in asking order: the front lane first, then by their share of the tier's time."""
+        out = [Candidate(tier, self.promoted[tier], lane=True)] if tier in self.promoted else []
+        out.extend(Candidate(tier, name) for name in self.shares[tier].order(self.by_tier[tier]))
         return out
 
-    def took(self, candidate: Candidate) -> None:
-        """A message came from ``candidate``: the next fetch of its tier starts after it."""
-        if candidate.position is not None:
-            self._rr[candidate.tier] = (candidate.position + 1) % len(self.by_tier[candidate.tier])
+    # -- the tier's time among its queues ------------------------------------------------
+    def _shares_of(self, queue: str) -> QueueShares | None:
+        tier = self.tier_of(queue)
+        return self.shares[tier] if queue in self.by_tier[tier] else None  # front lanes: not shared
+
+    def dispatched(self, queue: str) -> float:
+        shares = self._shares_of(queue)
+        return 0.0 if shares is None else shares.dispatched(queue)
+
+    def finished(self, queue: str, runtime: float, charge: float) -> None:
+        shares = self._shares_of(queue)
+        if shares is not None:
+            shares.finished(queue, runtime, charge)
+
+    def empty(self, queue: str) -> None:
+        shares = self._shares_of(queue)
+        if shares is not None:
+            shares.empty(queue)
+
+    def observe_wait(self, queue: str, wait: float) -> None:
+        shares = self._shares_of(queue)
+        if shares is not None:
+            shares.observe_wait(queue, wait)
+
+    def queue_states(self) -> list[tuple[Tier, str, QueueState]]:
+        """Every served queue of every tier with its figures (for the report)."""
+        return [(tier, name, state) for tier, shares in self.shares.items() for name, state in shares.queues.items()]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import importlib
 import math
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,6 +23,7 @@ from .tiers import TIERS, Tier, parse_tier
 
 OVERFLOW_POLICIES = ("reject", "drop_oldest")
 SCHEDULER_MODES = ("time", "count")
+IDLE_SHARE_RULES = ("proportional", "next_below")  # scheduler.IDLE_SHARE_RULES: settings stays import-light
 
 DEFAULTS: dict[str, Any] = {
     "weights": {"realtime": 8, "batch": 2, "offline": 1},
@@ -30,12 +33,19 @@ DEFAULTS: dict[str, Any] = {
     # GPU time slices: a task looping through celery_prio.slices() gives its slot back after
     # holding it this long (seconds) when a higher tier waits. Realtime never yields.
     "slice": {"realtime": None, "batch": 0.2, "offline": 0.5},
+    # Sub-queues inside a tier (tenants, jobs): <prefix>.<tier>.<name>, sharing the tier's slot time by run time.
+    "subqueue_weights": {},  # {"batch": {"acme": 3}}: weight of a sub-queue inside its tier (default 1)
+    "subqueue_key": None,  # callable(task_name, args, kwargs, options) -> sub-queue or None; or "module:function"
+    "subqueue_max_length": {"realtime": None, "batch": None, "offline": None},  # each sub-queue's cap; None: tier's
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
     "overflow": {"realtime": "reject", "batch": "reject", "offline": "drop_oldest"},
     "queue_prefix": "prio",
     "default_tier": "batch",
     "routes": {},
     "scheduler": "time",
+    # What an idle tier's weight does: "proportional" (the busy tiers keep their ratio) or
+    # "next_below" (it goes to the next busy tier below: quiet realtime speeds up batch).
+    "idle_share": "proportional",
     "poll_interval": 0.05,
     "aging_interval": 1.0,
     "metrics_port": None,  # serve Prometheus /metrics from each worker on this port (off by default)
@@ -70,6 +80,28 @@ def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) ->
     return float(value)
 
 
+def _caps(name: str, value: Any) -> dict[Tier, int | None]:
+    caps: dict[Tier, int | None] = {}
+    for t, v in _per_tier(name, value, DEFAULTS[name]).items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"prio_{name}[{t.label}] must be an int >= 1 or None, got {v!r}")
+        caps[t] = v
+    return caps
+
+
+SUBQUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+RESERVED_SUBQUEUES = ("promoted", "dlx")
+
+
+def subqueue_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a sub-queue, or None."""
+    if not isinstance(name, str) or not SUBQUEUE_NAME.fullmatch(name):
+        return f"sub-queue name {name!r} must be 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+    if name in RESERVED_SUBQUEUES:
+        return f"sub-queue name {name!r} is reserved ({', '.join(RESERVED_SUBQUEUES)})"
+    return None
+
+
 @dataclass(frozen=True)
 class PrioSettings:
     weights: dict[Tier, float]
@@ -77,12 +109,16 @@ class PrioSettings:
     min_share: float
     aging: dict[Tier, float | None]
     slice: dict[Tier, float | None]
+    subqueue_weights: dict[Tier, dict[str, float]]
+    subqueue_key: Any
+    subqueue_max_length: dict[Tier, int | None]
     max_length: dict[Tier, int | None]
     overflow: dict[Tier, str]
     queue_prefix: str
     default_tier: Tier
     routes: tuple[tuple[str, Tier], ...]
     scheduler: str
+    idle_share: str
     poll_interval: float
     aging_interval: float
     metrics_port: int | None
@@ -97,17 +133,55 @@ class PrioSettings:
         return f"{self.queue_prefix}.dead"
 
     @property
+    def subqueue_registry(self) -> str:
+        """Redis set of every sub-queue published to (workers discover sub-queues from it)."""
+        return f"{self.queue_prefix}.subqueues"
+
+    @property
     def stats_key(self) -> str:
         """Redis hash of broker-side counters (rejected/dropped per tier)."""
         return f"{self.queue_prefix}.stats"
 
     def tier_for_queue(self, name: str) -> Tier | None:
-        """The tier a queue belongs to: a tier queue or its ``.promoted`` sub-queue (RabbitMQ)."""
-        name = name.removesuffix(".promoted")
+        """The tier a queue belongs to: a tier queue, its ``.promoted`` front lane, or one of its sub-queues."""
+        name = name.removesuffix(PROMOTED_SUFFIX)
         for tier in TIERS:
-            if name == self.queue_name(tier):
+            if name == self.queue_name(tier) or self.subqueue_of(name, tier) is not None:
                 return tier
         return None
+
+    def subqueue_name(self, tier: Tier, subqueue: str) -> str:
+        return f"{self.queue_name(tier)}.{subqueue}"
+
+    def subqueue_of(self, queue: str, tier: Tier) -> str | None:
+        """The sub-queue ``queue`` is in ``tier`` (``<prefix>.<tier>.<name>``), or None."""
+        head = self.queue_name(tier) + "."
+        if not queue.startswith(head):
+            return None
+        name = queue[len(head) :]
+        return None if subqueue_name_problem(name) else name
+
+    def subqueue_cap(self, tier: Tier) -> int | None:
+        cap = self.subqueue_max_length[tier]
+        return self.max_length[tier] if cap is None else cap
+
+    def subqueue_weight(self, queue: str) -> float:
+        tier = self.tier_for_queue(queue)
+        sub = None if tier is None else self.subqueue_of(queue, tier)
+        return 1.0 if sub is None else self.subqueue_weights[tier].get(sub, 1.0)
+
+    def subqueue_for_call(self, name: str, args: Any, kwargs: Any, options: Any) -> Any:
+        """``prio_subqueue_key`` applied to a call (the setting may name a function as ``module:function``)."""
+        key = self.subqueue_key
+        if key is None:
+            return None
+        if isinstance(key, str):
+            module, _, attr = key.partition(":")
+            try:
+                key = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"prio_subqueue_key={self.subqueue_key!r} cannot be imported: {exc}") from None
+        return key(name, args, kwargs, options)
 
     def front_lanes(self) -> dict[Tier, str]:
         """``<tier>.promoted``: the queue served before a tier's own, for tiers that need one.
@@ -205,11 +279,28 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
             raise ConfigError(f"prio_slice[realtime] must be None: realtime never yields its slot, got {v!r}")
         slices[t] = None if v is None else _number(f"slice[{t.label}]", v, minimum=0, inclusive=False)
 
-    max_length: dict[Tier, int | None] = {}
-    for t, v in _per_tier("max_length", raw["max_length"], DEFAULTS["max_length"]).items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"prio_max_length[{t.label}] must be an int >= 1 or None, got {v!r}")
-        max_length[t] = v
+    max_length = _caps("max_length", raw["max_length"])
+    subqueue_max_length = _caps("subqueue_max_length", raw["subqueue_max_length"])
+    subqueue_weights: dict[Tier, dict[str, float]] = {t: {} for t in TIERS}
+    for t, per_tier in _per_tier("subqueue_weights", raw["subqueue_weights"], {}).items():
+        if not isinstance(per_tier, Mapping):
+            raise ConfigError(
+                f"prio_subqueue_weights[{t.label}] must be a dict of sub-queue -> weight, got {per_tier!r}"
+            )
+        for name, weight in per_tier.items():
+            problem = subqueue_name_problem(name)
+            if problem:
+                raise ConfigError(f"prio_subqueue_weights[{t.label}]: {problem}")
+            subqueue_weights[t][name] = _number(
+                f"subqueue_weights[{t.label}][{name}]", weight, minimum=0, inclusive=False
+            )
+    subqueue_key = raw["subqueue_key"]
+    named = isinstance(subqueue_key, str) and subqueue_key.count(":") == 1
+    if subqueue_key is not None and not callable(subqueue_key) and not named:
+        raise ConfigError(
+            f"prio_subqueue_key must be a callable (task_name, args, kwargs, options) -> sub-queue, or "
+            f"'module:function' naming one, got {subqueue_key!r}"
+        )
 
     overflow = _per_tier("overflow", raw["overflow"], DEFAULTS["overflow"])
     for t, v in overflow.items():
@@ -247,6 +338,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     ):
         raise ConfigError(f"prio_management_url must be an http:// or https:// URL or None, got {management_url!r}")
 
+    if raw["idle_share"] not in IDLE_SHARE_RULES:
+        raise ConfigError(f"prio_idle_share must be one of {IDLE_SHARE_RULES}, got {raw['idle_share']!r}")
     if raw["scheduler"] not in SCHEDULER_MODES:
         raise ConfigError(f"prio_scheduler must be one of {SCHEDULER_MODES}, got {raw['scheduler']!r}")
 
@@ -256,12 +349,16 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         min_share=min_share,
         aging=aging,
         slice=slices,
+        subqueue_weights=subqueue_weights,
+        subqueue_key=subqueue_key,
+        subqueue_max_length=subqueue_max_length,
         max_length=max_length,
         overflow=overflow,
         queue_prefix=prefix,
         default_tier=default_tier,
         routes=tuple(routes),
         scheduler=raw["scheduler"],
+        idle_share=raw["idle_share"],
         poll_interval=_number("poll_interval", raw["poll_interval"], minimum=0, inclusive=False),
         aging_interval=_number("aging_interval", raw["aging_interval"], minimum=0, inclusive=False),
         metrics_port=port,

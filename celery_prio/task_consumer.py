@@ -64,6 +64,7 @@ class TierFetcher:
             reserve=settings.effective_reserve(concurrency),
             min_share=settings.min_share,
             mode=settings.scheduler,
+            idle_share=settings.idle_share,
         )
         self.stats = WorkerStats()
         self.loop = FetchLoop(
@@ -75,6 +76,7 @@ class TierFetcher:
             clock=time.monotonic,
             poll_interval=settings.poll_interval,
             reraise=tuple(consumer.connection_errors),
+            lanes=self.served,
         )
         self.figures = BrokerFigures()
         self.board = board()
@@ -124,9 +126,11 @@ class TierFetcher:
             Job(RECONCILE_INTERVAL, self._settle, "settle ended requests"),
             Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
             Job(SLICE_CHECK_INTERVAL, self._check_slices, "tell sliced tasks whom they yield to"),
+            Job(self.source.discovery_interval, self._discover_subqueues, "discover sub-queues"),
             *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
         ]
         self._read_figures()
+        self._discover_subqueues()
         self._housekeeping = [self.hub.call_repeatedly(job.interval, _guarded(job)) for job in jobs]
 
     def cancel(self) -> None:
@@ -188,6 +192,11 @@ class TierFetcher:
         preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
         self.board.set_preemptors(preemptors)
 
+    def _discover_subqueues(self) -> None:
+        names = self.source.discover_subqueues()
+        if names is not None and names != self.served.discovered:
+            self.served.set_discovered(names)
+
     def _read_figures(self) -> None:
         self.figures = self.source.broker_figures(time.monotonic())
 
@@ -217,7 +226,10 @@ class TierFetcher:
             self.stats.observe_fetch(tier, None, False, now)
         else:
             promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
-            self.stats.observe_fetch(tier, enqueue_age(headers, now), promoted, now)
+            wait = enqueue_age(headers, now)
+            self.stats.observe_fetch(tier, wait, promoted, now)
+            if wait is not None and self.loop.fetching_queue:
+                self.served.observe_wait(self.loop.fetching_queue, wait)
         try:
             self._handler(message)
         except Exception as exc:  # Celery's handler let it through: still never lost, never fatal

@@ -151,7 +151,16 @@ class PrioEnv:
             names += [f"{n}.promoted" for n in names] + [f"{n}.dlx" for n in names] + [f"{self.prefix}.dead"]
             self.adapter.delete_queues(names)
             if self.kind == "redis":
-                self.adapter.client.delete(f"{self.prefix}.stats", f"{self.prefix}.stats.rates")
+                # Everything else under the prefix: stats, sub-queues and their registry, slice markers.
+                for key in self.adapter.client.scan_iter(f"{self.prefix}.*"):
+                    self.adapter.client.delete(key)
+            else:
+                from celery_prio.brokers.amqp_management import ManagementClient
+
+                listing = ManagementClient("http://127.0.0.1:15672", "/", ("guest", "guest")).list_queues(
+                    rf"^{self.prefix}\."
+                )
+                self.adapter.delete_queues([name for name, _ in listing or []])
         finally:
             self.adapter.close()
 

@@ -81,7 +81,7 @@ def test_bulk_reads_its_input_lazily_with_flat_memory(redis_env):
         (lambda t: celery_prio.bulk(t, [(1, 2)], tier="urgent"), ValueError, "unknown tier 'urgent'"),
         (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", chunk=0), ValueError, "chunk must be"),
         (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", priority=3), TypeError, "does not take priority"),
-        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", subqueue="acme"), ValueError, "sub-queues"),
+        (lambda t: celery_prio.bulk(t, [(1, 2)], tier="batch", subqueue="a/b"), ValueError, "sub-queue name 'a/b'"),
         (lambda t: celery_prio.bulk(t, [(1, 2), 5], tier="batch"), TypeError, "item 1 of bulk(): args must be"),
     ],
 )
@@ -108,3 +108,17 @@ def test_groups_and_chunks_of_one_task_take_the_bulk_path(env):
     small = group(add.s(i, 1) for i in range(5)).apply_async()  # too small to gain: Celery's own path
     assert not small.results[0].id.endswith("-0")
     assert small.get(timeout=30) == [1, 2, 3, 4, 5]
+
+
+def test_bulk_into_a_subqueue_honours_its_cap_and_workers_find_it(env):
+    env.configure(subqueue_max_length={"batch": 30})
+    sleep = env.app.tasks["t.sleep"]
+    with pytest.raises(BulkQueueFull) as info:
+        celery_prio.bulk(sleep, ((f"s{i}", 0) for i in range(50)), tier="batch", subqueue="bulkq", chunk=20)
+    assert len(info.value.accepted) == 30
+    queue = f"{env.prefix}.batch.bulkq"
+    assert env.adapter.depth(queue) == 30
+    env.start_worker(concurrency=2)
+    env.wait_for(lambda: env.adapter.depth(queue) == 0, timeout=30, what="the workers to drain the sub-queue")
+    with pytest.raises(ValueError, match="sub-queue name"):
+        celery_prio.bulk(sleep, [("x", 0)], tier="batch", subqueue="bad name")

@@ -186,12 +186,21 @@ def test_ledger_settles_only_what_left_and_charges_its_run_time():
     assert len(ledger) == 1 and ledger.running(O) == 1 and "b" in ledger
 
 
-def test_served_queues_ask_promoted_first_then_round_robin():
+def test_served_queues_ask_the_front_lane_first_then_take_turns():
     settings = load_settings({}, {"queue_prefix": "m"})
     served = ServedQueues(settings, ["m.batch", "tenant-a", "m.realtime"])
     batch = served.candidates(B)  # a queue that is no tier queue belongs to the default tier (batch)
     assert [c.name for c in batch] == ["m.batch.promoted", "m.batch", "tenant-a"]
-    served.took(batch[1])
+    served.finished("m.batch", 0.1, served.dispatched("m.batch"))
     assert [c.name for c in served.candidates(B)] == ["m.batch.promoted", "tenant-a", "m.batch"]
     assert [c.name for c in served.candidates(R)] == ["m.realtime.promoted", "m.realtime"]
     assert served.tiers == [R, B]
+
+
+def test_discovered_subqueues_are_served_with_their_tier():
+    settings = load_settings({}, {"queue_prefix": "m"})
+    served = ServedQueues(settings, ["m.batch", "m.realtime"])
+    served.set_discovered(["m.batch.acme", "m.offline.zeta", "m.batch.promoted", "other.batch.x"])
+    assert served.by_tier[B] == ["m.batch", "m.batch.acme"]
+    assert served.by_tier[O] == []  # offline is not served here: neither are its sub-queues
+    assert "m.batch.promoted" not in served.by_tier[B]  # a front lane is no sub-queue

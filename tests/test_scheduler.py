@@ -78,16 +78,44 @@ def test_time_mode_floor_is_a_share_of_slot_time(min_share):
     # Realtime alone could fill the worker; offline still gets min_share % of the time.
     s = TierScheduler({R: 100, B: 1, O: 1}, concurrency=1, mode="time", min_share=min_share)
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.1}, backlog=(R, O))
-    # Without a floor offline gets its weight plus idle batch's: 2/102.
-    expected = max(min_share / 100, 2 / 102)
+    # Without a floor offline gets its weight against realtime's (idle batch's is unused): 1/101.
+    expected = max(min_share / 100, 1 / 101)
     assert s.shares()[O] == pytest.approx(expected, abs=0.005)
 
 
-def test_idle_realtime_weight_goes_to_batch_not_spread_over_offline():
+def test_with_realtime_idle_batch_and_offline_keep_their_ratio_by_default():
+    """The seed's weighted round robin: an idle tier's turns are skipped, the busy ones keep 2:1."""
     s = TierScheduler(W821, concurrency=1, mode="time")
+    drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4}, backlog=(B, O))
+    assert s.shares()[B] == pytest.approx(2 / 3, abs=0.02)
+    assert s.shares()[O] == pytest.approx(1 / 3, abs=0.02)
+
+
+def test_next_below_gives_idle_realtime_weight_to_batch_not_spread_over_offline():
+    s = TierScheduler(W821, concurrency=1, mode="time", idle_share="next_below")
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4}, backlog=(B, O))
     assert s.shares()[B] == pytest.approx(10 / 11, abs=0.02)
     assert s.shares()[O] == pytest.approx(1 / 11, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        # Equal run times, realtime idle: batch and offline 2:1 ...
+        ("proportional", "BBOBBOBBOBBOBBOBBOBBOBBO"),
+        # ... or 10:1 when realtime's weight goes to batch.
+        ("next_below", "BBBBBBBBBBOBBBBBBBBBOBBB"),
+    ],
+)
+def test_idle_share_pick_sequences(rule, expected):
+    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0, idle_share=rule)
+    assert drive(s, len(expected), EQUAL, backlog=(B, O)) == expected
+
+
+def test_a_returning_idle_tier_starts_level_with_the_busy_ones():
+    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    drive(s, 100, EQUAL, backlog=(B, O))
+    assert drive(s, 22, EQUAL) == "RRRRRRRRBORRRRBRRRRBOR"  # 8 R per B+B+O, from the first window on
 
 
 @pytest.mark.parametrize("min_share", [1, 5, 10, 20])
@@ -167,7 +195,10 @@ def test_finished_frees_the_slot_and_learns_runtime():
     assert s.tiers[O].busy_seconds == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"mode": "fifo"}, "mode"), ({"concurrency": 0}, "concurrency")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"mode": "fifo"}, "mode"), ({"concurrency": 0}, "concurrency"), ({"idle_share": "spread"}, "idle_share")],
+)
 def test_bad_arguments(kwargs, message):
     args = {"weights": W821, "concurrency": 1, **kwargs}
     with pytest.raises(ValueError, match=message):

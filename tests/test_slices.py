@@ -58,14 +58,6 @@ def yields(env) -> int:
     return sum(row["yields"] for row in data["tiers"].values())
 
 
-def cleanup_markers(env, *task_ids: str) -> None:
-    names = [f"{env.prefix}.slice.{i}" for i in task_ids]
-    if env.kind == "redis":
-        env.adapter.client.delete(*names)
-    else:
-        env.adapter.delete_queues(names)
-
-
 def test_realtime_gets_in_between_slices_and_results_match(env):
     env.configure(**SLICED)
     env.start_worker(concurrency=1)
@@ -86,7 +78,6 @@ def test_realtime_gets_in_between_slices_and_results_match(env):
     counts = elements(env, "busy")
     assert sorted(counts) == list(range(20)) and set(counts.values()) == {1}, counts  # each element once
     assert dones(env, "busy") == 1
-    cleanup_markers(env, quiet.id, busy.id)
 
 
 def test_realtime_latency_bounded_by_a_slice(env):
@@ -104,7 +95,6 @@ def test_realtime_latency_bounded_by_a_slice(env):
     long.get(timeout=30)
     # Unsliced, a realtime task arriving during the 2 s run would wait up to 2 s.
     assert max(waits) < 0.6, waits
-    cleanup_markers(env, long.id)
 
 
 def test_crash_between_publish_and_ack_completes_once(env):
@@ -121,7 +111,6 @@ def test_crash_between_publish_and_ack_completes_once(env):
     # The redelivered original (generation 0) was recognised as stale: no element ran twice.
     assert sorted(counts) == list(range(12)) and set(counts.values()) == {1}, counts
     assert dones(env, "crash") == 1
-    cleanup_markers(env, task.id)
 
 
 def test_sigkill_between_slices_completes_once(env):
@@ -138,7 +127,6 @@ def test_sigkill_between_slices_completes_once(env):
     assert sorted(counts) == list(range(30))
     # Only the slice that was running when the worker died may run again.
     assert sum(n - 1 for n in counts.values()) <= 4, counts
-    cleanup_markers(env, task.id)
 
 
 def test_revoked_after_a_yield_does_not_run_again(env):
@@ -154,7 +142,6 @@ def test_revoked_after_a_yield_does_not_run_again(env):
         assert sum(elements(env, "revoked").values()) == seen
     assert dones(env, "revoked") == 0
     assert seen < 60
-    cleanup_markers(env, task.id)
 
 
 def test_chord_with_yielding_header_calls_its_body_once(env):
@@ -169,7 +156,6 @@ def test_chord_with_yielding_header_calls_its_body_once(env):
     assert sum(1 for x in env.log() if x["kind"] == "body") == 1
     assert dones(env, "c1") == dones(env, "c2") == 1
     assert yields(env) >= 1
-    cleanup_markers(env, *(r.id for r in result.parent.results))
 
 
 @pytest.mark.parametrize("tier_task", ["t.sliced_offline"])
@@ -185,4 +171,3 @@ def test_offline_yields_to_batch_only_when_batch_is_due(redis_env, tier_task):
         r.get(timeout=10)
     assert off.get(timeout=30) == [i * i for i in range(20)]
     assert yields(env) >= 1
-    cleanup_markers(env, off.id)

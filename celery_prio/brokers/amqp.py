@@ -11,6 +11,7 @@ dead-lettered into the tier above. See ``queue_arguments``.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -38,7 +39,7 @@ def dead_letter_exchange(settings: PrioSettings, tier: Tier) -> str:
     return f"{settings.queue_name(tier)}.dlx"
 
 
-def queue_arguments(settings: PrioSettings, tier: Tier) -> dict[str, Any] | None:
+def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) -> dict[str, Any] | None:
     """Capacity and aging as RabbitMQ queue arguments.
 
     A tier that drops or ages dead-letters into its own headers exchange,
@@ -48,7 +49,7 @@ def queue_arguments(settings: PrioSettings, tier: Tier) -> dict[str, Any] | None
     for ``x-match: all-with-x``).
     """
     args: dict[str, Any] = {}
-    cap = settings.max_length[tier]
+    cap = settings.subqueue_cap(tier) if subqueue else settings.max_length[tier]
     if cap is not None:
         args["x-max-length"] = cap
         args["x-overflow"] = OVERFLOW_ARG[settings.overflow[tier]]
@@ -136,6 +137,17 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
                 arguments={"x-match": "all-with-x", "x-first-death-reason": "expired"},
             )
     return channel
+
+
+def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+    """A sub-queue: its tier's aging and dead-lettering, its own cap (``prio_subqueue_max_length``)."""
+    args = queue_arguments(settings, tier, subqueue=True)
+    try:
+        channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
+    except PreconditionFailed as exc:
+        logger.error(
+            "celery-prio: %s exists with other arguments (%s): %s; using it as it is", name, args, exc.reply_text
+        )
 
 
 def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
@@ -310,6 +322,16 @@ def describe_dead(headers: Any) -> dict[str, Any]:
 #: An empty queue is re-asked after poll_interval / 10 at the soonest: on a
 #: busy worker asking it on every fetch would double the round trips.
 PROBE_FRACTION = 1 / 10
+# Sub-queues the management API lists as empty share a budget of basic_gets per second (its figures
+# lag by seconds, so they are still asked): a few idle tenants are asked as often as any queue,
+# a thousand cost a worker this many round trips a second, not a thousand per fetch.
+IDLE_PROBE_BUDGET = 200.0
+
+
+def subqueue_pattern(settings: PrioSettings) -> str:
+    """Regex of this app's sub-queue names (``<prefix>.<tier>.<name>``, not the front lanes)."""
+    tiers = "|".join(re.escape(settings.queue_name(t)) for t in TIERS)
+    return rf"^({tiers})\.(?!promoted$)[A-Za-z0-9][A-Za-z0-9_-]{{0,63}}$"
 
 
 class AmqpFetchSource(FetchSource):
@@ -326,7 +348,10 @@ class AmqpFetchSource(FetchSource):
         from kombu.serialization import prepare_accept_content
 
         super().__init__(served, settings)
+        self.app = app
         self.channel = declare_tier_queues(channel, settings)
+        self._listed_empty: set[str] = set()
+        self._warned_listing = False
         self.accept = prepare_accept_content(app.conf.accept_content)
         self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
@@ -334,23 +359,52 @@ class AmqpFetchSource(FetchSource):
     def take(self, order: list[Tier]) -> Take:
         now = time.monotonic()
         empty: list[Tier] = []
+        passed: list[str] = []
         for tier in order:
             asked = False
             for candidate in self.served.candidates(tier):
-                if now - self._empty_at.get(candidate.name, float("-inf")) < self._probe_interval:
+                if self._skip(candidate.name, now):
                     continue
                 asked = True
                 took, message = self.get(candidate.name)
                 if took and message is None:
-                    return Take(dead_lettered=1, empty=tuple(empty))
+                    return Take(dead_lettered=1, empty=tuple(empty), empty_queues=tuple(passed))
                 if message is not None:
-                    self.served.took(candidate)
                     message.accept = self.accept
-                    return Take(tier, message, tuple(empty))
+                    self._listed_empty.discard(candidate.name)
+                    return Take(tier, message, tuple(empty), 0, candidate.name, tuple(passed))
                 self._empty_at[candidate.name] = now
+                passed.append(candidate.name)
             if asked:  # a tier whose queues were all skipped is not known to be empty
                 empty.append(tier)
-        return Take(empty=tuple(empty))
+        return Take(empty=tuple(empty), empty_queues=tuple(passed))
+
+    def _skip(self, queue: str, now: float) -> bool:
+        """Found empty just now, or (a sub-queue) listed empty by the management API and asked lately."""
+        since = now - self._empty_at.get(queue, float("-inf"))
+        if queue in self._listed_empty:
+            return since < max(self._probe_interval, len(self._listed_empty) / IDLE_PROBE_BUDGET)
+        return since < self._probe_interval
+
+    discovery_interval = 1.0  # one management API request per worker per second
+
+    def discover_subqueues(self) -> list[str] | None:
+        """Sub-queues from the management API's queue list (RabbitMQ has no other way to list queues).
+
+        Those it lists with no message ready share ``IDLE_PROBE_BUDGET``
+        basic_gets a second between them.
+        """
+        listing = management_client(self.app, self.settings).list_queues(subqueue_pattern(self.settings))
+        if listing is None:
+            if not self._warned_listing:
+                self._warned_listing = True
+                logger.warning(
+                    "celery-prio: the RabbitMQ management API (prio_management_url) cannot list queues: "
+                    "sub-queues are served only where a worker names them (-Q or add_consumer)"
+                )
+            return None
+        self._listed_empty = {name for name, ready in listing if ready == 0}
+        return [name for name, _ in listing]
 
     def get(self, queue: str) -> tuple[bool, Any]:
         """``(took, message)``: ``(False, None)`` empty; ``(True, None)`` one was dead-lettered, ask again."""
@@ -439,8 +493,10 @@ class AmqpBulkSession(BulkSession):
 
     CONFIRM_TIMEOUT = 60.0
 
-    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> None:
-        super().__init__(app, connection, settings, tier)
+    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None = None) -> None:
+        super().__init__(app, connection, settings, tier, queue)
+        # The tier queue through its own exchange (as apply_async); a sub-queue through the default one.
+        self.exchange = self.queue if queue is None else ""
         self.connection = connection
         self.channel.confirm_select()
         self._next_tag = 1
@@ -488,7 +544,7 @@ class AmqpBulkSession(BulkSession):
         first = self._next_tag
         for message in messages:
             # py-amqp's non-waiting publish: the confirms are collected below, per chunk.
-            self.channel._basic_publish(self.prepare(message), exchange=self.queue, routing_key=self.queue)
+            self.channel._basic_publish(self.prepare(message), exchange=self.exchange, routing_key=self.queue)
             self._pending.add(self._next_tag)
             self._next_tag += 1
         deadline = time.monotonic() + self.CONFIRM_TIMEOUT

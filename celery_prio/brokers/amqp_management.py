@@ -63,8 +63,39 @@ class ManagementClient:
             self._cache[queue] = (now, rate)
             return rate
 
-    def _fetch_rate(self, queue: str) -> float:
-        path = f"{self.path}/api/queues/{urllib.parse.quote(self.vhost, safe='')}/{urllib.parse.quote(queue, safe='')}"
+    def list_queues(
+        self, pattern: str, page_size: int = 500, max_pages: int = 20
+    ) -> list[tuple[str, int | None]] | None:
+        """``(name, messages ready or None)`` of the vhost's queues matching ``pattern``; None if unreachable."""
+        with self._lock:
+            return self._list_queues(pattern, page_size, max_pages)
+
+    def _list_queues(self, pattern: str, page_size: int, max_pages: int) -> list[tuple[str, int | None]] | None:
+        out: list[tuple[str, int | None]] = []
+        vhost = urllib.parse.quote(self.vhost, safe="")
+        for page in range(1, max_pages + 1):
+            query = urllib.parse.urlencode(
+                {
+                    "page": page,
+                    "page_size": page_size,
+                    "name": pattern,
+                    "use_regex": "true",
+                    "columns": "name,messages_ready",
+                }
+            )
+            data = self._get_json(f"{self.path}/api/queues/{vhost}?{query}")
+            if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+                return None
+            for item in data["items"]:
+                if isinstance(item, dict) and isinstance(item.get("name"), str):
+                    ready = item.get("messages_ready")
+                    out.append((item["name"], ready if isinstance(ready, int) else None))
+            if page >= int(data.get("page_count") or 1):
+                break
+        return out
+
+    def _get_json(self, path: str) -> Any:
+        """The decoded JSON body of a GET (None for any failure or a status other than 200). Caller holds the lock."""
         for attempt in range(2):  # a kept-alive connection the server closed: reconnect once
             try:
                 conn = self._connection()
@@ -72,17 +103,23 @@ class ManagementClient:
                 conn.request("GET", path, headers=self.headers)
                 response = conn.getresponse()
                 body = response.read()
-                if response.status != 200:
-                    return 0.0
-                stats = json.loads(body).get("message_stats") or {}
-                return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
-            except (OSError, http.client.HTTPException, ValueError, AttributeError, TypeError):
+                return json.loads(body) if response.status == 200 else None
+            except (OSError, http.client.HTTPException, ValueError):
                 if self._conn is not None:
                     self._conn.close()
                 self._conn = None
                 if attempt:
-                    return 0.0
-        return 0.0
+                    return None
+        return None
+
+    def _fetch_rate(self, queue: str) -> float:
+        vhost, name = urllib.parse.quote(self.vhost, safe=""), urllib.parse.quote(queue, safe="")
+        data = self._get_json(f"{self.path}/api/queues/{vhost}/{name}")
+        try:
+            stats = data.get("message_stats") or {}
+            return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
+        except (AttributeError, TypeError, ValueError):
+            return 0.0
 
 
 _clients: dict[tuple[str, str, tuple[str, str] | None], ManagementClient] = {}

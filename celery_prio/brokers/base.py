@@ -34,6 +34,8 @@ class Take:
     message: Any = None  # a kombu Message, or None
     empty: tuple[Tier, ...] = ()  # tiers found empty on the way (the scheduler stops banking their time)
     dead_lettered: int = 0  # malformed elements moved to the dead letters instead: ask again at once
+    queue: str | None = None  # the queue the message came from
+    empty_queues: tuple[str, ...] = ()  # queues found empty on the way (their share stops banking time)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,13 @@ class FetchSource(ABC):
     @abstractmethod
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
+
+    #: Seconds between looks for new sub-queues (a new tenant's first task waits up to about this).
+    discovery_interval = 2.0
+
+    def discover_subqueues(self) -> list[str] | None:
+        """Every sub-queue published to (``<prefix>.<tier>.<name>``); None when the broker cannot say now."""
+        return None
 
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         """Jobs this broker needs on the worker's loop (``dispatched`` gives the counts per tier so far)."""

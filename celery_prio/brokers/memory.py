@@ -38,20 +38,21 @@ class MemoryFetchSource(FetchSource):
 
     def take(self, order: list[Tier]) -> Take:
         empty: list[Tier] = []
+        passed: list[str] = []
         for tier in order:
             for candidate in self.served.candidates(tier):
                 self.broker_calls += 1
                 queue = self.queues.get(candidate.name)
                 if not queue:
+                    passed.append(candidate.name)
                     continue
                 message = queue.popleft()
                 if isinstance(message, Malformed):
                     self.dead.append((message, message.reason, tier))
-                    return Take(dead_lettered=1, empty=tuple(empty))
-                self.served.took(candidate)
-                return Take(tier, message, tuple(empty))
+                    return Take(dead_lettered=1, empty=tuple(empty), empty_queues=tuple(passed))
+                return Take(tier, message, tuple(empty), 0, candidate.name, tuple(passed))
             empty.append(tier)
-        return Take(empty=tuple(empty))
+        return Take(empty=tuple(empty), empty_queues=tuple(passed))
 
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         self.dead.append((message, reason, tier))

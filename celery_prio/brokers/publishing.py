@@ -30,6 +30,29 @@ class Publishing:
 
     kind = "?"
 
+    def __init__(self) -> None:
+        self._subqueues: dict[str, Queue] = {}
+        self._subqueues_lock = threading.Lock()
+
+    def subqueue(self, app: Any, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
+        """The kombu Queue of a sub-queue, made known to the workers (and declared) on first use in this process."""
+        name = settings.subqueue_name(tier, subqueue)
+        queue = self._subqueues.get(name)
+        if queue is None:
+            with self._subqueues_lock:
+                queue = self._subqueues.get(name)
+                if queue is None:
+                    self.introduce_subqueue(app, settings, tier, name)
+                    from ..routing import register_subqueue
+
+                    register_subqueue(name)  # stamped like a tier queue
+                    # Published through the default exchange, straight to the queue.
+                    queue = self._subqueues[name] = Queue(name, Exchange(""), routing_key=name, no_declare=True)
+        return queue
+
+    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+        """Create ``name`` where the broker needs it and let workers find it."""
+
     def check(self, settings: PrioSettings) -> None:
         """Refuse, before anything is declared, settings this broker cannot honour."""
 
@@ -67,7 +90,9 @@ class Publishing:
     def continuations(self) -> Any:
         raise NotImplementedError("GPU time slices support Redis and RabbitMQ")
 
-    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+    def bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    ) -> BulkSession:
         """A session that publishes chunks of prepared task messages to ``tier`` (see ``celery_prio.bulk``)."""
         raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")
 
@@ -88,11 +113,12 @@ class BulkSession:
     #: Header fields that differ between the messages of one bulk publish (the rest is encoded once).
     VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "kwargsrepr", "prio_enqueued_at", "group_index")
 
-    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> None:
+    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None = None) -> None:
         self.app = app
         self.settings = settings
         self.tier = tier
-        self.queue = settings.queue_name(tier)
+        self.queue = queue or settings.queue_name(tier)  # the tier's queue, or one of its sub-queues
+        self.cap = settings.max_length[tier] if queue is None else settings.subqueue_cap(tier)
         self.channel = connection.channel()
         self.serializer = app.conf.task_serializer or "json"
 
@@ -117,6 +143,13 @@ class BulkSession:
 class RedisPublishing(Publishing):
     kind = "redis"
 
+    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+        # Workers read the registry every few seconds (RedisFetchSource.discover_subqueues).
+        with app.connection_for_write() as conn:
+            client = conn.default_channel.client
+            if client.sadd(settings.subqueue_registry, name):
+                client.incr(settings.subqueue_registry + ".version")  # workers poll this, not the whole set
+
     @functools.cached_property
     def continuations(self) -> Any:
         from .continuations import RedisContinuations
@@ -137,20 +170,40 @@ class RedisPublishing(Publishing):
             for t, cap in settings.max_length.items()
             if cap is not None
         }
+        # Every sub-queue of a tier (``<prefix>.<tier>.<name>``) has this cap.
+        options["prio_subqueue_caps"] = {
+            settings.queue_name(t) + ".": [settings.subqueue_cap(t), settings.overflow[t], t.label]
+            for t in TIERS
+            if settings.subqueue_cap(t) is not None
+        }
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
 
-    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+    def bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    ) -> BulkSession:
         from .redis_transport import RedisBulkSession
 
-        return RedisBulkSession(app, connection, settings, tier)
+        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
+        return RedisBulkSession(app, connection, settings, tier, queue)
 
 
 class AmqpPublishing(Publishing):
     kind = "amqp"
 
     def __init__(self) -> None:
+        super().__init__()
         self._declared = threading.Event()
+
+    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+        # Declared with the tier's aging and the sub-queue's cap; workers find it through the
+        # management API's queue listing (AmqpFetchSource.discover_subqueues).
+        from .amqp import declare_subqueue
+
+        self.before_send(app, settings)
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=3)
+            declare_subqueue(conn.channel(), settings, tier, name)
 
     @functools.cached_property
     def continuations(self) -> Any:
@@ -188,11 +241,14 @@ class AmqpPublishing(Publishing):
                 declare_tier_queues(conn.channel(), settings)
             self._declared.set()
 
-    def bulk_session(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier) -> BulkSession:
+    def bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    ) -> BulkSession:
         from .amqp import AmqpBulkSession
 
         self.before_send(app, settings)
-        return AmqpBulkSession(app, connection, settings, tier)
+        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
+        return AmqpBulkSession(app, connection, settings, tier, queue)
 
     def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:
         from amqp.exceptions import MessageNacked

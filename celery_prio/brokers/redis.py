@@ -95,12 +95,16 @@ class RedisAdapter(Broker):
         return int(count)
 
     # -- aging --------------------------------------------------------------
-    def promote_aged(self, settings: PrioSettings, tier: Tier, now: float, batch: int = AGING_WINDOW) -> int:
-        """Move ``tier``'s due messages into the upper tier's promoted list; returns how many moved."""
+    def promote_aged(
+        self, settings: PrioSettings, tier: Tier, now: float, batch: int = AGING_WINDOW, source: str | None = None
+    ) -> int:
+        """Move due messages of ``tier`` (its queue, or ``source``: one of its sub-queues) into the upper
+        tier's front lane; returns how many moved. A sub-queue's messages go to the front lane too: they
+        have waited long enough for their tenant's turn in the upper tier not to matter."""
         threshold = settings.aging[tier]
         if threshold is None or tier is Tier.REALTIME:
             return 0
-        source = settings.queue_name(tier)
+        source = source or settings.queue_name(tier)
         upper = settings.queue_name(tier.promoted())
         promoted = upper + PROMOTED_SUFFIX
         cap = settings.max_length[tier.promoted()]
@@ -218,6 +222,8 @@ class RedisFetchSource(FetchSource):
         self._dead_letter = channel.client.register_script(DEAD_LETTER)
         self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
         self._rate_mark: tuple[float, dict[Tier, int]] | None = None
+        self._registry: list[str] | None = None  # sub-queues, as of ``_registry_version``
+        self._registry_version: Any = None
 
     def keys_for(self, queue: str) -> list[str]:
         return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
@@ -233,14 +239,29 @@ class RedisFetchSource(FetchSource):
         self.broker_calls += 1
         hit = self.fetch(keys, [c.tier for c in owners])
         if hit is None:
-            return Take(empty=tuple(order))
+            return Take(empty=tuple(order), empty_queues=tuple(dict.fromkeys(c.name for c in owners)))
         index, message = hit
         if message is None:
             return Take(dead_lettered=1)
         candidate = owners[index]
-        self.served.took(candidate)
         message.accept = self.accept
-        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]))
+        passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
+        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
+
+    discovery_interval = 0.5  # one GET of the registry's version; the set itself only when it changed
+
+    def discover_subqueues(self) -> list[str] | None:
+        registry = self.settings.subqueue_registry
+        try:
+            version = self.channel.client.get(registry + ".version")
+            if version == self._registry_version and self._registry is not None:
+                return self._registry
+            members = self.channel.client.smembers(registry)
+        except self.channel.connection_errors:
+            return None
+        self._registry_version = version
+        self._registry = sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members)
+        return self._registry
 
     def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
@@ -340,8 +361,12 @@ class RedisFetchSource(FetchSource):
 
     def _age(self) -> None:
         now = time.time()
+        subqueues = self.discover_subqueues() or []
         for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
             self.adapter.promote_aged(self.settings, tier, now)
+            for name in subqueues:  # one pass per sub-queue: every worker ages, whatever its -Q
+                if self.settings.subqueue_of(name, tier) is not None:
+                    self.adapter.promote_aged(self.settings, tier, now, source=name)
 
     def broker_figures(self, now: float) -> BrokerFigures:
         wall = time.time()

@@ -16,6 +16,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from ..errors import QueueFull
+from ..headers import PROMOTED_SUFFIX
 from ..tiers import parse_tier
 from .continuations import pending_marker
 from .publishing import BulkSession, fast_json
@@ -39,8 +40,7 @@ class Channel(kombu_redis.Channel):
                 pipe.execute()
             return
         options = self.connection.client.transport_options
-        caps = options.get("prio_caps") or {}
-        rule = caps.get(queue)
+        rule = cap_rule(options, queue)
         if rule is None:
             return super()._put(queue, message, **kwargs)
         batch = kwargs.pop("_publish_batch", None)
@@ -64,6 +64,17 @@ class Channel(kombu_redis.Channel):
             if not accepted:
                 rate = drain_rate(client, options["prio_stats_key"], tier)
                 raise QueueFull.from_drain_rate(parse_tier(tier), int(depth), rate)
+
+
+def cap_rule(options: dict, queue: str) -> list | None:
+    """``[cap, policy, tier]`` for a capped tier queue or sub-queue (front lanes are never capped)."""
+    rule = (options.get("prio_caps") or {}).get(queue)
+    if rule is not None or queue.endswith(PROMOTED_SUFFIX):
+        return rule
+    for head, sub_rule in (options.get("prio_subqueue_caps") or {}).items():
+        if queue.startswith(head):
+            return sub_rule
+    return None
 
 
 RATE_FRESH_FOR = 10.0  # seconds a worker's reported rate counts
@@ -92,12 +103,10 @@ class Transport(kombu_redis.Transport):
 class RedisBulkSession(BulkSession):
     """A chunk is one script call: pushed under the cap atomically, the refused tail reported."""
 
-    def __init__(self, app: Any, connection: Any, settings: Any, tier: Any) -> None:
-        super().__init__(app, connection, settings, tier)
+    def __init__(self, app: Any, connection: Any, settings: Any, tier: Any, queue: str | None = None) -> None:
+        super().__init__(app, connection, settings, tier, queue)
         self.client = self.channel.client
         self._push = self.client.register_script(BULK_PUSH)
-        cap = settings.max_length[tier]
-        self.cap = -1 if cap is None else cap
         self.depth = 0
         self._shared_cache: dict[str, str] | None = None
         self._shared_kwargs: Any = None
@@ -106,7 +115,13 @@ class RedisBulkSession(BulkSession):
         payloads = [self._envelope(message) for message in messages]
         accepted, self.depth = self._push(
             keys=[self.queue, self.settings.dead_letter_queue, self.settings.stats_key],
-            args=[self.cap, self.settings.overflow[self.tier], self.tier.label, time.time(), *payloads],
+            args=[
+                -1 if self.cap is None else self.cap,
+                self.settings.overflow[self.tier],
+                self.tier.label,
+                time.time(),
+                *payloads,
+            ],
         )
         return [i < accepted for i in range(len(messages))]
 

@@ -136,10 +136,16 @@ class Run:
             names = [f"{self.prefix}.{t}" for t in ("realtime", "batch", "offline", "fifo", "dead")]
             names += [f"{n}.{suffix}" for n in names[:3] for suffix in ("promoted", "dlx")]
             adapter.delete_queues(names)
-            if self.kind == "redis":  # continuation markers of sliced tasks (RabbitMQ's expire by themselves)
-                client = adapter.client
-                for key in client.scan_iter(f"{self.prefix}.slice.*"):
-                    client.delete(key)
+            # Sub-queues, their registry and the markers of sliced tasks' continuations.
+            if self.kind == "redis":
+                for key in adapter.client.scan_iter(f"{self.prefix}.*"):
+                    adapter.client.delete(key)
+            else:
+                from ..brokers.amqp_management import management_client
+                from ..settings import settings_for
+
+                listing = management_client(self.app, settings_for(self.app)).list_queues(rf"^{self.prefix}\.")
+                adapter.delete_queues([name for name, _ in listing or []])
         finally:
             adapter.close()
         self.records.delete(f"{self.prefix}:records")
@@ -178,25 +184,27 @@ def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: 
             run.publish("batch", w.batch_seconds)
         t0 = time.time()
         t_end = t0 + w.duration
-        streams = {"realtime": (w.rt_rate, lambda: run.publish("realtime", w.rt_seconds))}
+        streams = {"realtime": (w.rt_rate, lambda: run.publish("realtime", w.rt_seconds))} if w.rt_rate else {}
         if w.offline_rate:
             streams["offline"] = (
                 w.offline_rate,
                 lambda: offline_sent.append(run.publish("offline", w.offline_seconds)),
             )
-        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed))["realtime"]
+        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed)).get("realtime", 0)
+        if not sent_rt:
+            time.sleep(max(0.0, t_end - time.time()))
         cutoff, records = await_realtime(run, sent_rt, w.grace)
     finally:
         run.close()
     return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
 
 
-def offline_busy(records, start_at: float, end_at: float) -> float:
-    """Slot-seconds offline tasks ran inside [start_at, end_at]."""
+def offline_busy(records, start_at: float, end_at: float, tier_name: str = "offline") -> float:
+    """Slot-seconds tasks of ``tier_name`` (offline by default) ran inside [start_at, end_at]."""
     return sum(
         min(end, end_at) - max(start, start_at)
         for tier, _, start, end in records
-        if tier == "offline" and end > start_at and start < end_at
+        if tier == tier_name and end > start_at and start < end_at
     )
 
 
@@ -226,6 +234,7 @@ def summarize(
             "done": offline_done,
             "sent": len(offline_sent),
             "busy_s": offline_busy(records, t0, t_end),
+            "batch_busy_s": offline_busy(records, t0, t_end, "batch"),
             # Progress in the second half: a tier that is starved makes none there.
             "busy_late_s": offline_busy(records, t0 + (t_end - t0) / 2, t_end),
             "longest_wait_s": max(waits) if waits else 0.0,
@@ -362,6 +371,15 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         f"{native['offline']['busy_late_s']:.1f}"
     )
 
+    # The idle-share rule: realtime quiet, batch and offline backlogged.
+    quiet = replace(w, rt_rate=0.0)
+    idle = {rule: run_mixed("prio", broker, quiet, logdir, idle_share=rule) for rule in ("proportional", "next_below")}
+    ratio = {rule: m["offline"]["batch_busy_s"] / max(m["offline"]["busy_s"], 1e-9) for rule, m in idle.items()}
+    out(
+        f"realtime quiet, batch:offline slot time: {ratio['proportional']:.2f}:1 with idle_share='proportional' "
+        f"(default, target 2:1 +/- 15 %), {ratio['next_below']:.2f}:1 with 'next_below' (configured 10:1)"
+    )
+
     # Aging: offline work arrives faster than offline's own share drains it,
     # so without aging its queue (and wait) keeps growing; with aging each
     # task moves to batch after the threshold.
@@ -428,6 +446,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     return {
         "mixed": mixed,
         "ratios": ratios,
+        "idle_share_batch_to_offline": ratio,
         "drain_per_s": drain,
         "drain_ratio": drain_ratio,
         "drain_5ms_per_s": short,
@@ -540,6 +559,54 @@ def bench_slices(broker: str, w: SliceWorkload, logdir: Path, out=print) -> dict
     return {"concurrency_1": one, "concurrency_4": four, "ratios": ratios}
 
 
+def run_tenants(broker: str, duration: float, logdir: Path, subqueues: bool, flood: int = 20_000) -> dict[str, Any]:
+    """Batch tier: tenant A floods it at once, tenant B trickles 2/s. B's queue wait, with or without sub-queues."""
+    from ..bulk import bulk
+
+    run = Run("prio", broker, logdir, 4, max_length={"batch": None})
+    try:
+        sub = {"subqueue": "tenant-a"} if subqueues else {}
+        bulk(run.task, (("tenant-a", 0.0, 0.05) for _ in range(flood)), tier="batch", **sub)
+        run.start_worker()
+        t0 = time.time()
+        sent = []
+
+        def trickle() -> None:
+            stamp = time.time()
+            run.task.apply_async(
+                ("tenant-b", stamp, 0.05), tier="batch", **({"subqueue": "tenant-b"} if subqueues else {})
+            )
+            sent.append(stamp)
+
+        poisson_streams({"b": (2.0, trickle)}, t0, t0 + duration, random.Random(3))
+        time.sleep(1.0)
+        cutoff, records = time.time(), run.read()
+    finally:
+        run.close()
+    started = {s: start for tier, s, start, _ in records if tier == "tenant-b"}
+    waits = [started[s] - s if s in started else cutoff - s for s in sent]  # not started: waited until the cut-off
+    return {
+        "b_sent": len(sent),
+        "b_started": len(started),
+        "b_p50_wait_s": percentile(waits, 50),
+        "b_p99_wait_s": percentile(waits, 99),
+    }
+
+
+def bench_subqueues(broker: str, duration: float, logdir: Path, out=print) -> dict[str, Any]:
+    kind = _broker_kind(broker)
+    shared = run_tenants(broker, duration, logdir, subqueues=False)
+    split = run_tenants(broker, duration, logdir, subqueues=True)
+    out(
+        f"\n== {kind}: tenants in the batch tier, {duration:.0f} s: A publishes 20,000 x 50 ms at once, B 2/s "
+        f"(concurrency 4): B's queue wait P50/P99 {shared['b_p50_wait_s']:.2f}/{shared['b_p99_wait_s']:.2f} s in one "
+        f"shared queue ({shared['b_started']}/{shared['b_sent']} started), {split['b_p50_wait_s']:.2f}/"
+        f"{split['b_p99_wait_s']:.2f} s with a sub-queue per tenant ({split['b_started']}/{split['b_sent']} "
+        f"started; target P99 <= 1 s)"
+    )
+    return {"shared_queue": shared, "subqueues": split}
+
+
 SEED_DAY = 5_000_000  # batch items a day on the seed's platform
 
 
@@ -614,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("mixed", "bulk", "slices"),
-        help="run one part: the mixed workload/drain/publish, bulk publish, or GPU time slices",
+        choices=("mixed", "bulk", "slices", "subqueues"),
+        help="run one part: the mixed workload/drain/publish, bulk publish, GPU time slices, or sub-queues",
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -632,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["redis"]["aging_pass_s"] = bench_aging_pass()
             if args.only in (None, "bulk"):
                 results[kind]["bulk"] = bench_bulk(broker, args.bulk_plain_tasks, args.bulk_tasks, Path(tmp))
+            if args.only in (None, "subqueues"):
+                results[kind]["subqueues"] = bench_subqueues(broker, args.duration, Path(tmp))
             if args.only in (None, "slices"):
                 slices_w = SliceWorkload(duration=args.duration)
                 results[kind]["slices"] = bench_slices(broker, slices_w, Path(tmp))

@@ -1,0 +1,94 @@
+"""Inside one tier: which of its queues (sub-queues) goes next, by run time. Pure.
+
+The same virtual-time idea as the tier scheduler, one level down: taking a
+message from a queue charges it the queue's expected run time divided by its
+weight (``prio_subqueue_weights``, default 1), corrected to the measured run
+time when the task ends; the queue with the smallest virtual finish tag goes
+first. A tenant with a 100,000-task backlog and a tenant with a trickle then
+share the tier's slot *time* by weight, not by backlog.
+
+A queue found empty is lifted to the level of the busiest queues (the lowest
+virtual time among the queues with work) and marked idle, so it cannot bank
+credit while it has nothing to run; a queue seen for the first time starts
+at that level too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+EWMA_ALPHA = 0.2
+DEFAULT_ESTIMATE = 0.1  # seconds, until one task of the queue ended
+
+
+@dataclass
+class QueueState:
+    vtime: float
+    estimate: float = DEFAULT_ESTIMATE
+    measured: bool = False
+    idle: bool = False
+    dispatched: int = 0
+    busy_seconds: float = 0.0
+    waits: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))
+
+
+WAIT_WINDOW = 200  # queue waits kept per queue for its P99
+
+
+class QueueShares:
+    def __init__(self, weight_of: Callable[[str], float]) -> None:
+        self.weight_of = weight_of
+        self.queues: dict[str, QueueState] = {}
+
+    def _level(self, exclude: str | None = None) -> float:
+        busy = [s.vtime for name, s in self.queues.items() if name != exclude and not s.idle]
+        return min(busy) if busy else max((s.vtime for s in self.queues.values()), default=0.0)
+
+    def _state(self, name: str) -> QueueState:
+        state = self.queues.get(name)
+        if state is None:
+            state = self.queues[name] = QueueState(vtime=self._level())
+        return state
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        """``names`` most deserving first (finish tag, then name: equal queues take turns)."""
+
+        def finish(name: str) -> tuple[float, str]:
+            state = self._state(name)
+            return state.vtime + state.estimate / self.weight_of(name), name
+
+        return sorted(names, key=finish)
+
+    def dispatched(self, name: str) -> float:
+        """A message of ``name`` took a slot; returns the charge to pass to :meth:`finished`."""
+        state = self._state(name)
+        state.idle = False
+        state.dispatched += 1
+        state.vtime += state.estimate / self.weight_of(name)
+        return state.estimate
+
+    def finished(self, name: str, runtime: float, charge: float) -> None:
+        state = self._state(name)
+        runtime = max(0.0, runtime)
+        state.busy_seconds += runtime
+        state.vtime += (runtime - charge) / self.weight_of(name)
+        if state.measured:
+            state.estimate += EWMA_ALPHA * (runtime - state.estimate)
+        else:
+            state.estimate, state.measured = runtime, True
+
+    def observe_wait(self, name: str, wait: float) -> None:
+        self._state(name).waits.append(max(0.0, wait))
+
+    def empty(self, name: str) -> None:
+        state = self._state(name)
+        state.vtime = max(state.vtime, self._level(exclude=name))
+        state.idle = True
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop queues no longer served (their figures go with them)."""
+        keep = set(keep)
+        for name in [n for n in self.queues if n not in keep]:
+            del self.queues[name]

@@ -1,0 +1,66 @@
+"""Sub-queues inside a tier: the pure share of a tier's slot time among its queues, and the settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_prio.errors import ConfigError
+from celery_prio.settings import load_settings
+from celery_prio.subqueues import QueueShares
+from celery_prio.tiers import Tier
+
+
+def run(shares: QueueShares, backlog: dict[str, int], runtime: dict[str, float], picks: int) -> list[str]:
+    """One slot: take the most deserving queue that has work, run it, repeat."""
+    out = []
+    for _ in range(picks):
+        for name in shares.order(backlog):
+            if backlog[name]:
+                break
+            shares.empty(name)
+        else:
+            break
+        backlog[name] -= 1
+        shares.finished(name, runtime[name], shares.dispatched(name))
+        out.append(name)
+    return out
+
+
+def test_a_trickle_is_not_stuck_behind_a_flood():
+    shares = QueueShares(lambda name: 1.0)
+    picks = run(shares, {"flood": 10_000, "trickle": 3}, {"flood": 0.05, "trickle": 0.05}, 7)
+    assert picks.count("trickle") == 3  # in turn with the flood, not after its 10,000
+
+
+def test_slot_time_follows_weights_not_task_counts():
+    weights = {"a": 3.0, "b": 1.0}
+    shares = QueueShares(weights.__getitem__)
+    run(shares, {"a": 100_000, "b": 100_000}, {"a": 0.2, "b": 0.05}, 2000)
+    busy = {name: state.busy_seconds for name, state in shares.queues.items()}
+    assert busy["a"] / busy["b"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_an_idle_queue_does_not_bank_credit_and_a_new_one_starts_level():
+    shares = QueueShares(lambda name: 1.0)
+    run(shares, {"a": 1000, "b": 0}, {"a": 0.1, "b": 0.1}, 500)  # b idle while a runs 500 tasks
+    picks = run(shares, {"a": 1000, "b": 1000, "c": 1000}, {"a": 0.1, "b": 0.1, "c": 0.1}, 30)
+    # No burst for b or the new c: each gets its third, within one task (b was last looked at one task ago).
+    assert all(9 <= picks.count(n) <= 11 for n in "abc"), picks
+    assert picks[:3].count("b") <= 2
+
+
+def test_subqueue_settings_are_checked():
+    settings = load_settings({}, {"queue_prefix": "p", "subqueue_weights": {"batch": {"acme": 3}}})
+    assert settings.subqueue_weight("p.batch.acme") == 3.0
+    assert settings.subqueue_weight("p.batch.other") == 1.0
+    assert settings.tier_for_queue("p.batch.acme") is Tier.BATCH
+    assert settings.tier_for_queue("p.offline.promoted") is Tier.OFFLINE
+    assert settings.subqueue_cap(Tier.BATCH) == 100_000  # the tier's cap unless prio_subqueue_max_length says
+    with pytest.raises(ConfigError, match=r"sub-queue name 'a b' must be 1-64 letters"):
+        load_settings({}, {"subqueue_weights": {"batch": {"a b": 1}}})
+    with pytest.raises(ConfigError, match="reserved"):
+        load_settings({}, {"subqueue_weights": {"batch": {"promoted": 1}}})
+    with pytest.raises(ConfigError, match="prio_subqueue_key must be a callable"):
+        load_settings({}, {"subqueue_key": 42})
+    with pytest.raises(ConfigError, match=r"prio_subqueue_max_length\[batch\] must be an int"):
+        load_settings({}, {"subqueue_max_length": {"batch": 0}})
