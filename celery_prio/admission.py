@@ -30,7 +30,7 @@ def guard_send_task(app: Any, settings: PrioSettings, publishing: Publishing) ->
     @functools.wraps(send_task)
     def send_task_admitted(*args: Any, **kwargs: Any) -> Any:
         publishing.before_send(app, settings)
-        last_route.tier = None
+        last_route.tier = last_route.queue = None
         try:
             return send_task(*args, **kwargs)
         except OperationalError as exc:

@@ -54,7 +54,7 @@ def cluster_status(app, settings, adapter) -> dict:
         busy = sum(r.busy_seconds for r in per_worker)
         rows[tier.label] = {
             "queue": settings.queue_name(tier),
-            "depth": adapter.depth(settings.queue_name(tier)),
+            "depth": adapter.tier_depth(settings, tier),
             "max_length": settings.max_length[tier],
             "workers": sum(1 for r in per_worker if r.queues),
             "dispatched": sum(r.dispatched for r in per_worker),

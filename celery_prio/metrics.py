@@ -30,7 +30,7 @@ class PrioCollector:
         try:
             if self._adapter is None:
                 self._adapter = adapter_for(self.app)
-            return {t: self._adapter.depth(settings.queue_name(tier)) for t, tier in _tiers()}
+            return {t: self._adapter.tier_depth(settings, tier) for t, tier in _tiers()}
         except Exception as exc:
             logger.warning("celery-prio metrics: could not read queue depths: %r", exc)
             self._adapter = None
@@ -78,7 +78,9 @@ class PrioCollector:
             for queue, row in report.subqueues.items():
                 metric.add_metric([row.tier, queue], float(getattr(row, attr)))
             yield metric
-        depth = GaugeMetricFamily("celery_prio_queue_depth", "Messages waiting in the tier queue", labels=["tier"])
+        depth = GaugeMetricFamily(
+            "celery_prio_queue_depth", "Messages waiting in the tier (its queue and sub-queues)", labels=["tier"]
+        )
         for tier, value in self._depths().items():
             depth.add_metric([tier], value)
         yield depth

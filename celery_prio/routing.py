@@ -61,14 +61,19 @@ def make_router(settings: PrioSettings, subqueue: Callable[[Tier, str], Any] | N
         sub = subqueue_of_call(settings, name, options.pop("subqueue", None), task, (args, kwargs, options))
         if sub is not None and tier is None:
             tier = settings.default_tier  # a sub-queue lives in a tier: the default one unless named
-        # Remembered for admission: a refused publish names its tier.
+        if sub is None and tier is Tier.REALTIME and settings.sjf:
+            sub = settings.sjf_subqueue(name)  # one realtime sub-queue per task name: shortest expected first
+        # Remembered for admission: a refused publish names its tier (and the queue that refused).
         last_route.tier = settings.default_tier if tier is None else tier
+        last_route.queue = None
         if tier is None:
             return None
         if sub is not None:
             if subqueue is None:
                 raise ValueError("sub-queues need celery_prio.install(app)")
-            return {"queue": subqueue(tier, sub)}
+            queue = subqueue(tier, sub)
+            last_route.queue = queue.name
+            return {"queue": queue}
         return {"queue": queue_for[tier]}
 
     route_by_tier.celery_prio = True  # type: ignore[attr-defined]

@@ -9,7 +9,8 @@ as sub-queues of the default tier.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .settings import PrioSettings
@@ -30,10 +31,14 @@ class Candidate:
 
 
 class ServedQueues:
-    def __init__(self, settings: PrioSettings, names: Iterable[str] = ()) -> None:
+    def __init__(
+        self, settings: PrioSettings, names: Iterable[str] = (), clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings
+        self.clock = clock
         self.names: list[str] = []
         self.discovered: list[str] = []
+        self.known: list[str] = []  # sub-queues served without discovery (shortest-first queues of realtime tasks)
         self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
         self.set_names(names)
 
@@ -51,13 +56,17 @@ class ServedQueues:
         self.discovered = [n for n in dict.fromkeys(names) if self._is_subqueue(n)]
         self._regroup()
 
+    def set_known(self, names: Iterable[str]) -> None:
+        self.known = [n for n in dict.fromkeys(names) if self._is_subqueue(n)]
+        self._regroup()
+
     def _is_subqueue(self, name: str) -> bool:
         tier = self.settings.tier_for_queue(name)
         return tier is not None and self.settings.subqueue_of(name, tier) is not None
 
     def _regroup(self) -> None:
         by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
-        for name in self.discovered:
+        for name in [*self.known, *self.discovered]:
             tier = self.tier_of(name)
             # A worker serves a tier's sub-queues when it serves the tier's own queue.
             if self.settings.queue_name(tier) in by_tier[tier] and name not in by_tier[tier]:
@@ -83,7 +92,12 @@ class ServedQueues:
     def candidates(self, tier: Tier) -> list[Candidate]:
         """``tier``'s queues in asking order: the front lane first, then by their share of the tier's time."""
         out = [Candidate(tier, self.promoted[tier], lane=True)] if tier in self.promoted else []
-        out.extend(Candidate(tier, name) for name in self.shares[tier].order(self.by_tier[tier]))
+        shares, names = self.shares[tier], self.by_tier[tier]
+        if tier is Tier.REALTIME and self.settings.sjf:
+            ordered = shares.order_shortest_first(names, self.clock(), self.settings.sjf_max_wait)
+        else:
+            ordered = shares.order(names)
+        out.extend(Candidate(tier, name) for name in ordered)
         return out
 
     # -- the tier's time among its queues ------------------------------------------------
@@ -93,7 +107,10 @@ class ServedQueues:
 
     def dispatched(self, queue: str) -> float:
         shares = self._shares_of(queue)
-        return 0.0 if shares is None else shares.dispatched(queue)
+        if shares is None:
+            return 0.0
+        shares.looked_at(queue, self.clock())
+        return shares.dispatched(queue)
 
     def finished(self, queue: str, runtime: float, charge: float) -> None:
         shares = self._shares_of(queue)
@@ -103,6 +120,7 @@ class ServedQueues:
     def empty(self, queue: str) -> None:
         shares = self._shares_of(queue)
         if shares is not None:
+            shares.looked_at(queue, self.clock())
             shares.empty(queue)
 
     def observe_wait(self, queue: str, wait: float) -> None:

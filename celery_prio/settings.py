@@ -13,6 +13,7 @@ import importlib
 import math
 import re
 import types
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -37,6 +38,10 @@ DEFAULTS: dict[str, Any] = {
     "subqueue_weights": {},  # {"batch": {"acme": 3}}: weight of a sub-queue inside its tier (default 1)
     "subqueue_key": None,  # callable(task_name, args, kwargs, options) -> sub-queue or None; or "module:function"
     "subqueue_max_length": {"realtime": None, "batch": None, "offline": None},  # each sub-queue's cap; None: tier's
+    # Shortest job first inside realtime: each task name gets its own sub-queue (sjf-<name>) and a worker
+    # takes the head with the shortest expected run, but puts every one first at least every sjf_max_wait s.
+    "sjf": True,
+    "sjf_max_wait": 1.0,
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
     "overflow": {"realtime": "reject", "batch": "reject", "offline": "drop_oldest"},
     "queue_prefix": "prio",
@@ -80,6 +85,12 @@ def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) ->
     return float(value)
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
+    return value
+
+
 def _caps(name: str, value: Any) -> dict[Tier, int | None]:
     caps: dict[Tier, int | None] = {}
     for t, v in _per_tier(name, value, DEFAULTS[name]).items():
@@ -112,6 +123,8 @@ class PrioSettings:
     subqueue_weights: dict[Tier, dict[str, float]]
     subqueue_key: Any
     subqueue_max_length: dict[Tier, int | None]
+    sjf: bool
+    sjf_max_wait: float
     max_length: dict[Tier, int | None]
     overflow: dict[Tier, str]
     queue_prefix: str
@@ -160,6 +173,13 @@ class PrioSettings:
             return None
         name = queue[len(head) :]
         return None if subqueue_name_problem(name) else name
+
+    def sjf_subqueue(self, task_name: str) -> str:
+        """The realtime sub-queue of a task name under shortest-job-first (``sjf-<name>``, a valid queue name)."""
+        name = "sjf-" + re.sub(r"[^A-Za-z0-9_-]", "-", task_name)
+        if len(name) > 64:  # long names: a prefix and a checksum of the whole
+            name = f"{name[:55]}-{zlib.crc32(task_name.encode()):08x}"
+        return name
 
     def subqueue_cap(self, tier: Tier) -> int | None:
         cap = self.subqueue_max_length[tier]
@@ -352,6 +372,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         subqueue_weights=subqueue_weights,
         subqueue_key=subqueue_key,
         subqueue_max_length=subqueue_max_length,
+        sjf=_flag("sjf", raw["sjf"]),
+        sjf_max_wait=_number("sjf_max_wait", raw["sjf_max_wait"], minimum=0, inclusive=False),
         max_length=max_length,
         overflow=overflow,
         queue_prefix=prefix,

@@ -32,6 +32,7 @@ class QueueState:
     dispatched: int = 0
     busy_seconds: float = 0.0
     waits: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))
+    looked_at: float | None = None  # when a fetch last took from it or found it empty (shortest job first)
 
 
 WAIT_WINDOW = 200  # queue waits kept per queue for its P99
@@ -60,6 +61,28 @@ class QueueShares:
             return state.vtime + state.estimate / self.weight_of(name), name
 
         return sorted(names, key=finish)
+
+    def order_shortest_first(self, names: Iterable[str], now: float, max_wait: float) -> list[str]:
+        """Shortest expected run first, bounded: a queue not looked at for ``max_wait`` goes first.
+
+        A queue whose run time is not known yet counts as the shortest, so it
+        is tried once and learnt. A long task's queue is put first at least
+        every ``max_wait`` seconds, so its head waits at most about that much
+        longer than it would in one FIFO queue.
+        """
+        names = list(names)
+
+        def overdue(name: str) -> bool:
+            looked = self._state(name).looked_at
+            return looked is None or now - looked >= max_wait
+
+        late = sorted((n for n in names if overdue(n)), key=lambda n: (self._state(n).looked_at or float("-inf"), n))
+        rest = [n for n in names if not overdue(n)]
+        rest.sort(key=lambda n: (self._state(n).estimate if self._state(n).measured else 0.0, n))
+        return late + rest
+
+    def looked_at(self, name: str, now: float) -> None:
+        self._state(name).looked_at = now
 
     def dispatched(self, name: str) -> float:
         """A message of ``name`` took a slot; returns the charge to pass to :meth:`finished`."""

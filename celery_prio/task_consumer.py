@@ -21,6 +21,7 @@ from .brokers import BrokerFigures, Job, fetch_source_for
 from .fetchloop import FetchLoop
 from .headers import PROMOTED_HEADER, SLICE_HEADER
 from .report import WorkerReport, build_report
+from .routing import tier_of_call
 from .scheduler import TierScheduler
 from .served import ServedQueues
 from .settings import PrioSettings
@@ -85,6 +86,14 @@ class TierFetcher:
         self._settle_scheduled = False
         for queue in consumer.app.amqp.queues.consume_from.values():
             self.add_queue(queue)
+        if settings.sjf:
+            # Shortest-first queues of the realtime tasks this worker knows: served from the start,
+            # without waiting for discovery (which RabbitMQ only offers through its management API).
+            known = [
+                settings.sjf_subqueue(name) for name, task in consumer.app.tasks.items() if self._realtime(name, task)
+            ]
+            self.source.prepare_subqueues(known)
+            self.served.set_known(known)
 
     # -- kombu.Consumer look-alike ------------------------------------------
     @property
@@ -149,6 +158,12 @@ class TierFetcher:
         """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
 
     # -- wiring ------------------------------------------------------------------
+    def _realtime(self, name: str, task: Any) -> bool:
+        try:
+            return tier_of_call(self.settings, name, None, task) is Tier.REALTIME
+        except ValueError:  # a task with a bad tier: check_task_tiers stops the worker with the reason
+            return False
+
     def _concurrency(self) -> int:
         controller = self.c.controller
         limit = getattr(controller, "max_concurrency", None) or getattr(self.c.pool, "num_processes", None)

@@ -141,7 +141,8 @@ class PrioEnv:
         return done.stdout
 
     def depth(self, tier: Tier) -> int:
-        return self.adapter.depth(self.queue(tier))
+        """Messages waiting in the tier: its queue and sub-queues (realtime's shortest-first ones)."""
+        return self.adapter.tier_depth(load_settings(self.app.conf), tier)
 
     def close(self) -> None:
         for worker in self.workers:

@@ -184,6 +184,11 @@ class AmqpAdapter(Broker):
             self.connection = self.app.connection_for_write()
             return 0
 
+    def subqueues(self, settings: PrioSettings) -> list[str]:
+        """Listed by the management API (depths are then read exactly, queue by queue)."""
+        listing = management_client(self.app, settings).list_queues(subqueue_pattern(settings))
+        return [name for name, _ in listing or []]
+
     def delete_queues(self, queues: list[str]) -> None:
         channel = self._channel()
         for name in queues:
@@ -262,8 +267,8 @@ class AmqpAdapter(Broker):
 _refusal_lock = threading.Lock()
 
 
-def refusal_figures(app: Any, settings: PrioSettings, tier: Tier) -> tuple[int | None, float]:
-    """Depth and drain rate of a tier that just refused a publish, for ``QueueFull``.
+def refusal_figures(app: Any, settings: PrioSettings, tier: Tier, queue: str | None = None) -> tuple[int | None, float]:
+    """Depth (of ``queue``: the tier's own or the sub-queue refused) and drain rate of a tier, for ``QueueFull``.
 
     One adapter (one AMQP connection) is kept per app for this, and one
     management client per endpoint: a burst of refusals opens nothing new.
@@ -273,9 +278,9 @@ def refusal_figures(app: Any, settings: PrioSettings, tier: Tier) -> tuple[int |
         try:
             if adapter is None:
                 adapter = app._celery_prio_refusal_adapter = AmqpAdapter(app)
-            depth: int | None = adapter.depth(settings.queue_name(tier))
+            depth: int | None = adapter.depth(queue or settings.queue_name(tier))
         except Exception as exc:  # the refusal itself must still reach the caller
-            logger.warning("celery-prio: could not read the depth of %s: %r", settings.queue_name(tier), exc)
+            logger.warning("celery-prio: could not read the depth of %s: %r", queue or settings.queue_name(tier), exc)
             app._celery_prio_refusal_adapter = None
             depth = None
     return depth, tier_drain_rate(app, settings, tier)
@@ -387,6 +392,12 @@ class AmqpFetchSource(FetchSource):
         return since < self._probe_interval
 
     discovery_interval = 1.0  # one management API request per worker per second
+
+    def prepare_subqueues(self, names: list[str]) -> None:
+        for name in names:
+            tier = self.settings.tier_for_queue(name)
+            if tier is not None:
+                declare_subqueue(self.channel, self.settings, tier, name)
 
     def discover_subqueues(self) -> list[str] | None:
         """Sub-queues from the management API's queue list (RabbitMQ has no other way to list queues).

@@ -75,6 +75,9 @@ class FetchSource(ABC):
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
 
+    def prepare_subqueues(self, names: list[str]) -> None:  # noqa: B027 - most brokers need nothing
+        """Make sure the sub-queues ``names`` exist before they are asked (RabbitMQ: asking a missing one fails)."""
+
     #: Seconds between looks for new sub-queues (a new tenant's first task waits up to about this).
     discovery_interval = 2.0
 
@@ -102,6 +105,16 @@ class Broker(ABC):
     @abstractmethod
     def depth(self, queue: str) -> int:
         """Messages waiting in ``queue`` (not counting those held unacked by workers); 0 if it does not exist."""
+
+    def subqueues(self, settings: PrioSettings) -> list[str]:
+        """This app's sub-queues the broker knows of (``<prefix>.<tier>.<name>``)."""
+        return []
+
+    def tier_depth(self, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier``: its queue and its sub-queues (the front lane not counted)."""
+        names = [settings.queue_name(tier)]
+        names += [n for n in self.subqueues(settings) if settings.subqueue_of(n, tier) is not None]
+        return sum(self.depth(n) for n in names)
 
     @abstractmethod
     def delete_queues(self, queues: list[str]) -> None:

@@ -258,7 +258,9 @@ class AmqpPublishing(Publishing):
         seen = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, MessageNacked):
-                depth, rate = refusal_figures(app, settings, tier)
+                from ..admission import last_route
+
+                depth, rate = refusal_figures(app, settings, tier, getattr(last_route, "queue", None))
                 return QueueFull.from_drain_rate(tier, depth, rate)
             seen.add(id(exc))
             exc = exc.__cause__ or exc.__context__

@@ -50,6 +50,10 @@ class RedisAdapter(Broker):
     def depth(self, queue: str) -> int:
         return int(self.client.llen(queue))
 
+    def subqueues(self, settings: PrioSettings) -> list[str]:
+        members = self.client.smembers(settings.subqueue_registry)
+        return sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members)
+
     def delete_queues(self, queues: list[str]) -> None:
         for name in queues:
             self.client.delete(name, f"_kombu.binding.{name}")

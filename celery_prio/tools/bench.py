@@ -607,6 +607,51 @@ def bench_subqueues(broker: str, duration: float, logdir: Path, out=print) -> di
     return {"shared_queue": shared, "subqueues": split}
 
 
+def run_sjf(broker: str, duration: float, logdir: Path, sjf: bool) -> dict[str, Any]:
+    """Realtime only at ~80 % load: 20 ms tasks (40/s) and 500 ms tasks (4.8/s) on 4 slots."""
+    run = Run("prio", broker, logdir, 4, sjf=sjf, reserve=0)
+    try:
+        run.start_worker()
+        short, long = run.app.tasks["bench.work"], run.app.tasks["bench.work_long"]
+        for task in (short, long):  # the sub-queues exist and their run times are known before the clock starts
+            task.apply_async(("warm", time.time(), 0.0), tier="realtime")
+        time.sleep(2.5)
+        t0 = time.time()
+        streams = {
+            "short": (40.0, lambda: short.apply_async(("short", time.time(), 0.02), tier="realtime")),
+            "long": (4.8, lambda: long.apply_async(("long", time.time(), 0.5), tier="realtime")),
+        }
+        poisson_streams(streams, t0, t0 + duration, random.Random(5))
+        time.sleep(3.0)
+        records = [r for r in run.read() if r[0] in ("short", "long") and r[1] >= t0]
+    finally:
+        run.close()
+    waits = {kind: [start - sent for k, sent, start, _ in records if k == kind] for kind in ("short", "long")}
+    return {
+        "short_mean_wait_s": sum(waits["short"]) / max(len(waits["short"]), 1),
+        "short_p99_wait_s": percentile(waits["short"], 99),
+        "long_p99_wait_s": percentile(waits["long"], 99),
+        "long_max_wait_s": max(waits["long"], default=0.0),
+        "done": {kind: len(v) for kind, v in waits.items()},
+    }
+
+
+def bench_sjf(broker: str, duration: float, logdir: Path, out=print) -> dict[str, Any]:
+    kind = _broker_kind(broker)
+    fifo = run_sjf(broker, duration, logdir, sjf=False)
+    sjf = run_sjf(broker, duration, logdir, sjf=True)
+    ratio = sjf["short_mean_wait_s"] / max(fifo["short_mean_wait_s"], 1e-9)
+    out(
+        f"\n== {kind}: realtime at ~80 % load, 20 ms and 500 ms tasks, {duration:.0f} s, concurrency 4: short tasks' "
+        f"mean wait {fifo['short_mean_wait_s'] * 1000:.0f} ms FIFO in the tier, "
+        f"{sjf['short_mean_wait_s'] * 1000:.0f} ms shortest-first, ratio {ratio:.2f} (target <= 0.5); "
+        f"long tasks' P99/max wait "
+        f"{fifo['long_p99_wait_s']:.2f}/{fifo['long_max_wait_s']:.2f} s FIFO, {sjf['long_p99_wait_s']:.2f}/"
+        f"{sjf['long_max_wait_s']:.2f} s shortest-first (bound: FIFO + prio_sjf_max_wait 1.0 s)"
+    )
+    return {"fifo_in_tier": fifo, "sjf": sjf, "short_wait_ratio": ratio}
+
+
 SEED_DAY = 5_000_000  # batch items a day on the seed's platform
 
 
@@ -681,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("mixed", "bulk", "slices", "subqueues"),
-        help="run one part: the mixed workload/drain/publish, bulk publish, GPU time slices, or sub-queues",
+        choices=("mixed", "bulk", "slices", "subqueues", "sjf"),
+        help="run one part: the mixed workload/drain/publish, bulk publish, GPU time slices, sub-queues or SJF",
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -701,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind]["bulk"] = bench_bulk(broker, args.bulk_plain_tasks, args.bulk_tasks, Path(tmp))
             if args.only in (None, "subqueues"):
                 results[kind]["subqueues"] = bench_subqueues(broker, args.duration, Path(tmp))
+            if args.only in (None, "sjf"):
+                results[kind]["sjf"] = bench_sjf(broker, args.duration, Path(tmp))
             if args.only in (None, "slices"):
                 slices_w = SliceWorkload(duration=args.duration)
                 results[kind]["slices"] = bench_slices(broker, slices_w, Path(tmp))

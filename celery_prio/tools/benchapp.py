@@ -62,6 +62,9 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
             time.sleep(seconds)
         recorder.rpush(key, f"{tier} {sent} {start} {time.time()}")
 
+    # The same work under a second name: shortest-job-first tells tasks apart by name.
+    app.task(shared=False, name="bench.work_long")(work.run)
+
     @app.task(shared=False, name="bench.sliced", bind=True)
     def sliced(self, tier: str, sent: float, elements: int, element_seconds: float, start: int = 0) -> None:
         """GPU work cut into elements; under celery-prio it may yield between them (plain Celery: runs through)."""
