@@ -181,6 +181,10 @@ class PrioSettings:
             name = f"{name[:55]}-{zlib.crc32(task_name.encode()):08x}"
         return name
 
+    def sjf_queue(self, task_name: str) -> str:
+        """The broker queue of a task name's shortest-first sub-queue."""
+        return self.subqueue_name(Tier.REALTIME, self.sjf_subqueue(task_name))
+
     def subqueue_cap(self, tier: Tier) -> int | None:
         cap = self.subqueue_max_length[tier]
         return self.max_length[tier] if cap is None else cap

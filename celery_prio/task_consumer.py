@@ -90,7 +90,7 @@ class TierFetcher:
             # Shortest-first queues of the realtime tasks this worker knows: served from the start,
             # without waiting for discovery (which RabbitMQ only offers through its management API).
             known = [
-                settings.sjf_subqueue(name) for name, task in consumer.app.tasks.items() if self._realtime(name, task)
+                settings.sjf_queue(name) for name, task in consumer.app.tasks.items() if self._realtime(name, task)
             ]
             self.source.prepare_subqueues(known)
             self.served.set_known(known)

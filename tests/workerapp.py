@@ -55,6 +55,10 @@ def make_app(
     def rt_sleep(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)
 
+    @app.task(shared=False, name="t.rt_short", tier="realtime")
+    def rt_short(tag: str, seconds: float) -> str:
+        return sleep(tag, seconds)
+
     @app.task(shared=False, name="t.slow_late", acks_late=True, tier="offline")
     def slow_late(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)

@@ -70,11 +70,41 @@ class _ProcessConnection:
     def forget(self) -> None:
         self._conn = None  # reconnect on the next call
 
+    _subqueues: tuple[float, list[str]] | None = None
 
-def tier_queues(settings: PrioSettings, tier: Tier) -> list[str]:
-    """Where ``tier``'s work waits: its queue and its front lane."""
+    def subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        """This app's sub-queues, listed at most every ``SUBQUEUE_LIST_TTL`` seconds per process."""
+        now = time.monotonic()
+        if self._subqueues is None or now - self._subqueues[0] > SUBQUEUE_LIST_TTL or self._pid != os.getpid():
+            try:
+                names = self.list_subqueues(app, settings)
+            except Exception:  # a listing that fails leaves the last one in use
+                names = self._subqueues[1] if self._subqueues else []
+            self._subqueues = (now, names)
+        return self._subqueues[1]
+
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        raise NotImplementedError
+
+
+SUBQUEUE_LIST_TTL = 2.0  # seconds a pool child reuses its list of a tier's sub-queues
+
+
+def tier_queues(app: Any, settings: PrioSettings, tier: Tier, subqueues: list[str]) -> list[str]:
+    """Where ``tier``'s work waits: its queue, its front lane, its sub-queues (and realtime's shortest-first ones)."""
     lane = settings.front_lanes().get(tier)
-    return [settings.queue_name(tier), *([lane] if lane else [])]
+    names = [settings.queue_name(tier), *([lane] if lane else [])]
+    if tier is Tier.REALTIME and settings.sjf:
+        from ..routing import tier_of_call
+
+        for name, task in list(app.tasks.items()):
+            try:
+                if tier_of_call(settings, name, None, task) is Tier.REALTIME:
+                    names.append(settings.sjf_queue(name))
+            except ValueError:
+                continue
+    names += [n for n in subqueues if settings.subqueue_of(n, tier) is not None]
+    return list(dict.fromkeys(names))
 
 
 class RedisContinuations(_ProcessConnection):
@@ -102,13 +132,19 @@ class RedisContinuations(_ProcessConnection):
     def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
         """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
 
+        names = tier_queues(app, settings, tier, self.subqueues(app, settings))
+
         def count(client: Any) -> int:
             pipe = client.pipeline(transaction=False)
-            for name in tier_queues(settings, tier):
+            for name in names:
                 pipe.llen(name)
             return sum(int(n) for n in pipe.execute())
 
         return self._guarded(app, count)
+
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        members = self._guarded(app, lambda client: client.smembers(settings.subqueue_registry))
+        return [m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members]
 
     def _guarded(self, app: Any, work: Callable[[Any], Any]) -> Any:
         conn = self.connection(app)
@@ -122,6 +158,13 @@ class RedisContinuations(_ProcessConnection):
 class AmqpContinuations(_ProcessConnection):
     # A channel is either in confirm mode or in a transaction: this connection's are not in confirm mode.
     transport_options = {"confirm_publish": False}
+
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        from .amqp import subqueue_pattern
+        from .amqp_management import management_client
+
+        listing = management_client(app, settings).list_queues(subqueue_pattern(settings))
+        return [name for name, _ in listing or []]
 
     def _with_channel(self, app: Any, work: Callable[[Any], Any]) -> Any:
         conn = self.connection(app)
@@ -170,9 +213,11 @@ class AmqpContinuations(_ProcessConnection):
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""
         from amqp.exceptions import NotFound
 
+        names = tier_queues(app, settings, tier, self.subqueues(app, settings))
+
         def work(channel: Any) -> int:
             total = 0
-            for name in tier_queues(settings, tier):
+            for name in names:
                 try:
                     total += channel.queue_declare(queue=name, passive=True).message_count
                 except NotFound:  # the channel is closed by the broker: nothing more to ask on it

@@ -330,6 +330,7 @@ class RedisFetchSource(FetchSource):
         jobs = [
             Job(RESTORE_INTERVAL, self._restore_expired_unacked, "restore unacked"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
+            Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
             # Every worker ages, whatever its -Q: offline ages into batch with no offline worker at all.
@@ -348,6 +349,31 @@ class RedisFetchSource(FetchSource):
             channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
         except channel.connection_errors:
             pass  # broken connection: the consumer reconnects, the next round retries
+
+    def _share_estimates(self) -> None:
+        """Run-time estimates of the queues inside the tiers, shared by the fleet (shortest-job-first order).
+
+        Each worker writes what it measured and takes, for the queues it has
+        not measured yet, what the others did: a worker that starts (or a
+        task name it never ran) orders by the fleet's figures from the first fetch.
+        """
+        key = self.settings.queue_prefix + ".estimates"
+        states = [(name, state) for _, name, state in self.served.queue_states()]
+        mine = {name: f"{state.estimate:.6f}" for name, state in states if state.measured}
+        client = self.channel.client
+        if mine:
+            client.hset(key, mapping=mine)
+        fleet = client.hgetall(key)
+        for name, state in states:
+            raw = fleet.get(name.encode())
+            if state.measured or raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:  # anyone can write to Redis: a bad figure is skipped
+                continue
+            if value >= 0 and value == value:
+                state.estimate, state.measured = value, True
 
     def _report_rates(self, counts: Mapping[Tier, int]) -> None:
         """Publish this worker's per-tier take rate; publishers turn it into Retry-After."""
