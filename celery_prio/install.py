@@ -12,6 +12,7 @@ from .admission import guard_send_task
 from .brokers.publishing import publishing_for
 from .canvas import route_groups_through_bulk
 from .errors import ConfigError
+from .inherit import lift_canvases
 from .routing import make_router, register_tier_queues, stamp_enqueue_time
 from .settings import DEFAULTS, PrioSettings, load_settings
 from .slice_board import board
@@ -70,6 +71,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
 
     board()  # shared with the pool children: made here, before a worker forks them
     route_groups_through_bulk()
+    lift_canvases()
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
     app.on_after_finalize.connect(_log_task_tier_errors, weak=False)

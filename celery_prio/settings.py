@@ -40,6 +40,9 @@ DEFAULTS: dict[str, Any] = {
     "subqueue_max_length": {"realtime": None, "batch": None, "offline": None},  # each sub-queue's cap; None: tier's
     # Shortest job first inside realtime: each task name gets its own sub-queue (sjf-<name>) and a worker
     # takes the head with the shortest expected run, but puts every one first at least every sjf_max_wait s.
+    # Priority inheritance at publish time: chain/chord steps a higher tier waits on run at its tier;
+    # children of a running task that name no tier run at the parent's.
+    "inherit": True,
     "sjf": True,
     "sjf_max_wait": 1.0,
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
@@ -123,6 +126,7 @@ class PrioSettings:
     subqueue_weights: dict[Tier, dict[str, float]]
     subqueue_key: Any
     subqueue_max_length: dict[Tier, int | None]
+    inherit: bool
     sjf: bool
     sjf_max_wait: float
     max_length: dict[Tier, int | None]
@@ -376,6 +380,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         subqueue_weights=subqueue_weights,
         subqueue_key=subqueue_key,
         subqueue_max_length=subqueue_max_length,
+        inherit=_flag("inherit", raw["inherit"]),
         sjf=_flag("sjf", raw["sjf"]),
         sjf_max_wait=_number("sjf_max_wait", raw["sjf_max_wait"], minimum=0, inclusive=False),
         max_length=max_length,

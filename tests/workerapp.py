@@ -55,6 +55,14 @@ def make_app(
     def rt_sleep(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)
 
+    @app.task(shared=False, name="t.where", bind=True)
+    def where(self, *_: Any, tag: str = "", spawn: bool = False) -> str:
+        """Logs the queue it was fetched from (no tier of its own); with ``spawn``, publishes a child."""
+        record("where", f"{tag}:{(self.request.delivery_info or {}).get('routing_key')}")
+        if spawn:
+            where.apply_async(kwargs={"tag": tag + "-child"})
+        return tag
+
     @app.task(shared=False, name="t.rt_short", tier="realtime")
     def rt_short(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)

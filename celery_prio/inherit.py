@@ -1,0 +1,125 @@
+"""Priority inheritance at publish time: work that a higher tier waits on runs at that tier.
+
+* **Canvas.** In a chain, every step before a higher-tier step runs at least
+  at that tier (the realtime step at the end waits for all of them); in a
+  chord, the header runs at least at the body's tier; groups inside chains
+  and chords likewise. A signature whose call names a tier keeps the higher
+  of the two. Done once, when the canvas is published: the tiers travel in
+  the signatures' options, so the steps a worker publishes later (the rest
+  of a chain, a chord's body) carry them too.
+* **Children.** A task published by a running task, naming no tier (not on
+  the call, not on the task, not in ``prio_routes``), runs at the running
+  task's tier (the Temporal/Celery convention), not at the default tier.
+
+``prio_inherit = False`` turns both off. Pure but for the Celery classes it
+patches (``install()`` does it once per process).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Signature, chord, group
+from celery.canvas import _chain
+
+from .routing import tier_of_call
+from .settings import PrioSettings, settings_for
+from .tiers import Tier
+
+
+def higher(a: Tier | None, b: Tier | None) -> Tier | None:
+    """The more urgent of two tiers (None: no tier)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a if a.value <= b.value else b
+
+
+def own_tier(settings: PrioSettings, sig: Signature) -> Tier:
+    """The tier a signature would run at by itself: its call's, its task's, ``prio_routes``, else the default."""
+    task = sig.app.tasks.get(sig.task) if sig.task else None
+    tier = tier_of_call(settings, sig.task or "", sig.options.get("tier"), task)
+    return settings.default_tier if tier is None else tier
+
+
+def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
+    """Raise ``sig``'s tasks to at least ``floor``; returns the most urgent tier anywhere in ``sig``."""
+    if isinstance(sig, dict) and not isinstance(sig, Signature):  # a canvas member given as a plain dict
+        as_signature = Signature.from_dict(sig)
+        top = lift(settings, as_signature, floor)
+        sig.update(as_signature)  # in place: the canvas holding the dict publishes what was lifted
+        return top
+    if isinstance(sig, _chain):
+        running = floor
+        for step in reversed(sig.tasks):  # each step waits on nothing; each is waited on by all after it
+            running = higher(running, lift(settings, step, running))
+        return running
+    if isinstance(sig, chord):
+        body_tier = lift(settings, sig.body, floor) if sig.body is not None else floor
+        top = body_tier
+        for member in sig.tasks:  # the body waits on every member of the header
+            top = higher(top, lift(settings, member, higher(floor, body_tier)))
+        return top
+    if isinstance(sig, group):
+        top = floor
+        for member in sig.tasks:
+            top = higher(top, lift(settings, member, floor))
+        return top
+    if not isinstance(sig, Signature):
+        return floor
+    tier = own_tier(settings, sig)
+    lifted = higher(tier, floor)
+    if lifted is not tier:
+        sig.options["tier"] = lifted.label  # the higher of the call's and the waiter's
+    return lifted
+
+
+def _inheriting(sig: Any) -> PrioSettings | None:
+    app = sig.app
+    if getattr(app, "_celery_prio_publishing", None) is None:
+        return None
+    settings = settings_for(app)
+    return settings if settings.inherit else None
+
+
+def _wrap(cls: type, name: str) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "celery_prio_inherit", False):
+        return
+
+    def apply_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = _inheriting(self)
+        if settings is not None:
+            # ``chord(header)(body)`` passes the body in the call's kwargs, not in the chord.
+            call_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
+            body = call_kwargs.get("body") if isinstance(call_kwargs, dict) else None
+            if isinstance(self, chord) and body is not None and self.body is None:
+                floor = lift(settings, body, None)
+                for member in self.tasks:
+                    lift(settings, member, floor)
+            else:
+                lift(settings, self, None)
+        return original(self, *args, **kwargs)
+
+    apply_async.celery_prio_inherit = True  # type: ignore[attr-defined]
+    apply_async.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, apply_async)
+
+
+def lift_canvases() -> None:
+    """Once per process: chains and chords lift their steps as they are published."""
+    _wrap(_chain, "apply_async")
+    _wrap(chord, "apply_async")
+
+
+def parent_tier(settings: PrioSettings) -> Tier | None:
+    """The tier of the task running in this thread (a worker's pool child), or None outside a task."""
+    if not settings.inherit:
+        return None
+    from celery import current_task
+
+    task = current_task._get_current_object() if current_task else None
+    request = getattr(task, "request", None)
+    if task is None or request is None or request.called_directly:
+        return None
+    queue = (request.delivery_info or {}).get("routing_key") or ""
+    return settings.tier_for_queue(queue)
