@@ -27,6 +27,7 @@ from kombu.common import QoS
 
 from .install import check_task_tiers
 from .metrics import serve_metrics
+from .report import readable_rows
 from .settings import settings_for
 from .task_consumer import TierFetcher
 
@@ -77,8 +78,9 @@ class PrioTasks(bootsteps.StartStopStep):
         fetcher = c.task_consumer
         if not isinstance(fetcher, TierFetcher):
             return {"prefetch_count": "N/A"}
-        # Flower reads prefetch_count; the honest figure is the slot bound.
-        return {"prefetch_count": fetcher.scheduler.concurrency, "prio": fetcher.info()}
+        # Flower reads prefetch_count; the honest figure is the slot bound. Flower shows the other keys
+        # as rows of its worker page: one readable line per tier (inspect prio_stats has the full report).
+        return {"prefetch_count": fetcher.scheduler.concurrency, **readable_rows(fetcher.report())}
 
 
 class PrioControl(Control):

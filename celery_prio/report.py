@@ -32,6 +32,7 @@ class TierReport:
     configured_share: float = 0.0
     runtime_estimate_s: float = 0.0
     oldest_wait_s: float | None = None
+    depth: int | None = None  # waiting in the queues this worker serves (read every 2 s)
     # Broker-wide counters (Redis keeps them; None on RabbitMQ).
     promoted: int | None = None
     rejected: int | None = None
@@ -134,6 +135,7 @@ def build_report(
             configured_share=round(configured[tier], 4),
             runtime_estimate_s=round(st.estimate, 4),
             oldest_wait_s=None if oldest is None else round(oldest, 3),
+            depth=broker.depth.get(tier),
             promoted=counted("promoted"),
             rejected=counted("rejected"),
             dropped=counted("dropped"),
@@ -179,3 +181,30 @@ def subqueue_reports(served: ServedQueues, top: int = TOP_SUBQUEUES) -> dict[str
     if len(states) > top:
         out["other"] = other
     return out
+
+
+def readable_rows(report: WorkerReport) -> dict[str, str]:
+    """One line per tier for people (Flower's worker page): ``"prio realtime": "wait p99 12 ms · share ..."``.
+
+    ``inspect prio_stats`` keeps the full, machine-readable report.
+    """
+
+    def number(value: float | None, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    rows = {}
+    for label, row in report.tiers.items():
+        parts = [
+            f"wait p99 {number(row.wait_p99_ms, '{:.0f}')} ms",
+            f"share {row.slot_time_share * 100:.0f} % of {row.configured_share * 100:.0f} %",
+            f"depth {number(row.depth, '{}')}",
+            f"oldest {number(row.oldest_wait_s, '{:.1f}')} s",
+            f"running {row.running}",
+            f"done {row.finished}",
+        ]
+        if row.yields:
+            parts.append(f"yields {row.yields}")
+        if row.promoted:
+            parts.append(f"promoted {row.promoted}")
+        rows[f"prio {label}"] = " · ".join(parts)
+    return rows

@@ -157,11 +157,17 @@ def test_inspect_stats_show_per_tier_dispatch_counts(env):
     tiers = ["realtime", "p0", "batch", 1, "offline"]
     results = [t["t.sleep"].apply_async((f"s{i}", 0.0), tier=tier) for i, tier in enumerate(tiers)]
     [r.get(timeout=10) for r in results]
-    stats = next(iter(env.app.control.inspect(timeout=2).stats().values()))
-    prio = stats["prio"]["tiers"]
+    from celery_prio.control import collect_prio_stats
+
+    (report,) = collect_prio_stats(env.app, timeout=2, limit=1).values()
+    prio = report["tiers"]
     assert (prio["realtime"]["dispatched"], prio["batch"]["dispatched"], prio["offline"]["dispatched"]) == (2, 2, 1)
     assert prio["realtime"]["configured_share"] == pytest.approx(8 / 11, abs=1e-3)
+    stats = next(iter(env.app.control.inspect(timeout=2).stats().values()))
     assert stats["prefetch_count"] == 2
+    # inspect stats (Flower's worker page): one readable line per tier.
+    assert stats["prio realtime"].startswith("wait p99 ") and "share " in stats["prio realtime"]
+    assert "done 1" in stats["prio offline"]
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo"])
@@ -193,11 +199,12 @@ def test_bad_messages_are_rejected_and_the_worker_keeps_serving(env):
 
 
 def test_idle_worker_makes_bounded_broker_calls(env):
+    from celery_prio.control import collect_prio_stats
+
     env.start_worker(concurrency=2)
-    inspect = env.app.control.inspect(timeout=5, limit=1)
 
     def calls():
-        prio = next(iter(inspect.stats().values()))["prio"]
+        (prio,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
         return prio["broker_calls"], len(prio["polled_queues"]), time.monotonic()
 
     before, queues, t0 = calls()

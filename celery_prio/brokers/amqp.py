@@ -432,6 +432,10 @@ class AmqpFetchSource(FetchSource):
         message.prio_queue = queue
         return True, message
 
+    def queue_depths(self, names: list[str]) -> list[int]:
+        # Served queues exist (declared at start or found listed), so a passive declare does not 404.
+        return [int(self.channel.queue_declare(queue=name, passive=True).message_count) for name in names]
+
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
 

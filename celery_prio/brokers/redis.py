@@ -401,7 +401,15 @@ class RedisFetchSource(FetchSource):
     def broker_figures(self, now: float) -> BrokerFigures:
         wall = time.time()
         oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
-        return BrokerFigures(counters=self.adapter.counters(self.settings), oldest_age=oldest, read_at=now)
+        return BrokerFigures(
+            counters=self.adapter.counters(self.settings), oldest_age=oldest, depth=self.served_depths(), read_at=now
+        )
+
+    def queue_depths(self, names: list[str]) -> list[int]:
+        pipe = self.channel.client.pipeline(transaction=False)
+        for name in names:
+            pipe.llen(name)
+        return [int(n) for n in pipe.execute()]
 
 
 def _tag_of(raw: Any) -> str:
