@@ -125,7 +125,7 @@ class Run:
             task, args = self.app.tasks["bench.sliced"], (label or tier, sent, elements, seconds / elements)
         if self.mode == "prio":
             task.apply_async(args, tier=tier)
-        elif self.mode == "native":
+        elif self.mode.startswith("native"):
             task.apply_async(args, priority=NATIVE_PRIORITY[self.kind][tier])
         else:
             task.apply_async(args)
@@ -357,16 +357,18 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         f"realtime {w.rt_rate:.0f}/s x {w.rt_seconds * 1000:.0f} ms, batch {w.batch_seconds * 1000:.0f} ms, "
         f"offline backlog {w.offline_backlog} x {w.offline_seconds:.1f} s"
     )
-    mixed = {mode: run_mixed(mode, broker, w, logdir) for mode in ("fifo", "native", "prio")}
+    # Celery >= 5.6's worker_disable_prefetch (celery #6500's fix) exists for Redis only.
+    modes = ("fifo", "native", "native_noprefetch", "prio") if kind == "redis" else ("fifo", "native", "prio")
+    mixed = {mode: run_mixed(mode, broker, w, logdir) for mode in modes}
     # The idle-share rule decides how batch and offline split what realtime leaves: 2:1 by default.
     mixed["prio_next_below"] = run_mixed("prio", broker, w, logdir, idle_share="next_below")
     out(
-        f"{'setup':<16}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}"
+        f"{'setup':<18}{'rt p50 ms':>11}{'rt p99 ms':>11}{'rt done':>10}{'batch/s':>9}"
         f"{'off busy s':>11}{'2nd half':>9}{'off max wait s':>16}"
     )
     for mode, m in mixed.items():
         out(
-            f"{mode:<16}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
+            f"{mode:<18}{m['realtime']['p50_ms']:>11.0f}{m['realtime']['p99_ms']:>11.0f}"
             f"{m['realtime']['done']:>6}/{m['realtime']['sent']:<3}{m['batch']['per_s']:>9.1f}"
             f"{m['offline']['busy_s']:>11.1f}{m['offline']['busy_late_s']:>9.1f}{m['offline']['longest_wait_s']:>16.1f}"
         )
@@ -374,11 +376,18 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
     ratios = {
         "realtime_p99_prio_over_native": prio["realtime"]["p99_ms"] / native["realtime"]["p99_ms"],
         "realtime_p99_prio_over_fifo": prio["realtime"]["p99_ms"] / mixed["fifo"]["realtime"]["p99_ms"],
+        "realtime_p99_no_prefetch_ms": mixed.get("native_noprefetch", {}).get("realtime", {}).get("p99_ms"),
         "batch_throughput_prio_over_native": prio["batch"]["per_s"] / max(native["batch"]["per_s"], 1e-9),
         "batch_throughput_next_below_over_native": mixed["prio_next_below"]["batch"]["per_s"]
         / max(native["batch"]["per_s"], 1e-9),
         "offline_busy_late_s_prio_vs_native": [prio["offline"]["busy_late_s"], native["offline"]["busy_late_s"]],
     }
+    if "native_noprefetch" in mixed:
+        out(
+            f"Celery 5.6+ worker_disable_prefetch with native priority: realtime P99 "
+            f"{mixed['native_noprefetch']['realtime']['p99_ms']:.0f} ms against celery-prio's "
+            f"{prio['realtime']['p99_ms']:.0f} ms"
+        )
     out(
         f"ratios: realtime P99 prio/native = {ratios['realtime_p99_prio_over_native']:.2f} (target <= 0.4), "
         f"prio/fifo = {ratios['realtime_p99_prio_over_fifo']:.3f}; "

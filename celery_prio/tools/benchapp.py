@@ -3,6 +3,7 @@
 BENCH_MODE selects how the same tasks are queued and fetched:
   fifo   - plain Celery, one queue, default prefetch
   native - plain Celery, broker-native priorities, prefetch 1 + acks_late
+  native_noprefetch - the same with Celery 5.6's worker_disable_prefetch (Redis only: celery #6500's fix)
   prio   - celery-prio installed (three tier queues, scheduler fetch)
 Tasks sleep for the given time (standing in for GPU time) and append
 ``tier sent start end`` to a Redis list, from which the benchmark computes
@@ -21,7 +22,7 @@ from kombu import Exchange, Queue
 
 import celery_prio
 
-MODES = ("fifo", "native", "prio")
+MODES = ("fifo", "native", "native_noprefetch", "prio")
 # Broker-native priority values per tier. RabbitMQ: higher is more urgent;
 # kombu's Redis emulation polls priority 0 first, so lower is more urgent.
 NATIVE_PRIORITY = {
@@ -44,14 +45,17 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
         celery_prio.install(app, queue_prefix=prefix, **prio_settings)
     else:
         name = f"{prefix}.fifo"
-        args = {"x-max-priority": 10} if mode == "native" else None
+        native = mode.startswith("native")
+        args = {"x-max-priority": 10} if native else None
         app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name, queue_arguments=args)]
         app.conf.task_default_queue = name
         if confirm:  # plain Celery with publisher confirms: the baseline for RabbitMQ admission
             app.conf.broker_transport_options = {"confirm_publish": True}
-        if mode == "native":
+        if native:
             app.conf.worker_prefetch_multiplier = 1
             app.conf.task_acks_late = True
+        if mode == "native_noprefetch":
+            app.conf.worker_disable_prefetch = True  # fetch only while a pool slot is free
     recorder = redis.Redis.from_url(record_url)
     key = f"{prefix}:records"
 
