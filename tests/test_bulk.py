@@ -116,6 +116,7 @@ def test_bulk_into_a_subqueue_honours_its_cap_and_workers_find_it(env):
     with pytest.raises(BulkQueueFull) as info:
         celery_prio.bulk(sleep, ((f"s{i}", 0) for i in range(50)), tier="batch", subqueue="bulkq", chunk=20)
     assert len(info.value.accepted) == 30
+    assert info.value.waiting == 30  # the sub-queue's depth, not its tier queue's
     queue = f"{env.prefix}.batch.bulkq"
     assert env.adapter.depth(queue) == 30
     env.start_worker(concurrency=2)

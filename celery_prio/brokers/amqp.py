@@ -571,5 +571,5 @@ class AmqpBulkSession(BulkSession):
         return [tag not in self._nacked for tag in range(first, self._next_tag)]
 
     def queue_full(self, accepted: int) -> QueueFull:
-        depth, rate = refusal_figures(self.app, self.settings, self.tier)
+        depth, rate = refusal_figures(self.app, self.settings, self.tier, self.queue)
         return QueueFull.from_drain_rate(self.tier, depth, rate)
