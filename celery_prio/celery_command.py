@@ -17,7 +17,7 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .brokers import adapter_for
 from .control import collect_prio_stats
-from .report import WorkerReport
+from .report import WorkerReport, fmt
 from .scheduler import configured_shares
 from .settings import settings_for
 from .tiers import TIERS
@@ -99,10 +99,6 @@ def subqueue_rows(reports, adapter) -> dict:
     return rows
 
 
-def _fmt(value, pattern="{}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 @prio.command(cls=CeleryCommand)
 @click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help="Print JSON for scripts.")
 @click.option("--watch", cls=CeleryOption, type=float, default=None, help="Refresh every N seconds.")
@@ -126,10 +122,10 @@ def status(ctx, as_json: bool, watch: float | None):
                 click.echo(header)
                 for label, r in data["tiers"].items():
                     click.echo(
-                        f"{label:<10}{r['depth']:>8}{_fmt(r['max_length']):>9}{r['workers']:>9}"
-                        f"{r['dispatched']:>12}{r['running']:>9}{_fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
-                        f"{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}{_fmt(r['slot_time_share'], '{:.2f}'):>8}"
-                        f"{r['configured_share']:>7.2f}{r['yields']:>8}{_fmt(r['slice_s'], '{:.2f}'):>9}"
+                        f"{label:<10}{r['depth']:>8}{fmt(r['max_length']):>9}{r['workers']:>9}"
+                        f"{r['dispatched']:>12}{r['running']:>9}{fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
+                        f"{fmt(r['wait_p99_ms'], '{:.0f}'):>13}{fmt(r['slot_time_share'], '{:.2f}'):>8}"
+                        f"{r['configured_share']:>7.2f}{r['yields']:>8}{fmt(r['slice_s'], '{:.2f}'):>9}"
                     )
                 if data["subqueues"]:
                     click.echo(
@@ -137,8 +133,8 @@ def status(ctx, as_json: bool, watch: float | None):
                     )
                     for name, r in data["subqueues"].items():
                         click.echo(
-                            f"{name:<40}{_fmt(r['depth']):>8}{r['dispatched']:>12}"
-                            f"{_fmt(r['share_of_tier'], '{:.2f}'):>8}{_fmt(r['wait_p99_ms'], '{:.0f}'):>13}"
+                            f"{name:<40}{fmt(r['depth']):>8}{r['dispatched']:>12}"
+                            f"{fmt(r['share_of_tier'], '{:.2f}'):>8}{fmt(r['wait_p99_ms'], '{:.0f}'):>13}"
                         )
                 click.echo(
                     f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "

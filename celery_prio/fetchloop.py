@@ -129,7 +129,7 @@ class FetchLoop:
     # -- slots -------------------------------------------------------------
     def started(self, key: Hashable, tier: Tier) -> None:
         """A delivered message took a slot (Celery handed its request to the pool)."""
-        queue = self.fetching_queue if self.fetching is not None else None
+        queue = self.fetching_queue  # None for an ETA request whose time has come: no queue to charge
         queue_charge = self.lanes.dispatched(queue) if self.lanes is not None and queue else 0.0
         self.ledger.start(key, tier, self.scheduler.dispatched(tier), self.clock(), queue, queue_charge)
 

@@ -21,8 +21,22 @@ from .stats import WorkerStats, percentile
 from .tiers import TIERS, Tier
 
 
+def fmt(value: Any, pattern: str = "{}") -> str:
+    """``pattern`` filled with ``value``, or ``-`` when there is none (tables and rows for people)."""
+    return "-" if value is None else pattern.format(value)
+
+
+class _FromReply:
+    """Built back from an ``inspect`` reply: the fields it knows, whatever else the reply holds."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data if isinstance(data, dict) else {}).items() if k in known})
+
+
 @dataclass
-class TierReport:
+class TierReport(_FromReply):
     queues: list[str] = field(default_factory=list)
     dispatched: int = 0
     finished: int = 0
@@ -48,14 +62,9 @@ class TierReport:
     yields: int = 0
     slice_s: float | None = None
 
-    @classmethod
-    def from_dict(cls, data: Any) -> TierReport:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data if isinstance(data, dict) else {}).items() if k in known})
-
 
 @dataclass
-class SubqueueReport:
+class SubqueueReport(_FromReply):
     """One queue inside a tier (the tier's own queue or a sub-queue), or ``other``: the rest together."""
 
     tier: str = ""
@@ -63,11 +72,6 @@ class SubqueueReport:
     busy_seconds: float = 0.0
     share_of_tier: float = 0.0  # of the tier's measured slot time on this worker
     wait_p99_ms: float | None = None
-
-    @classmethod
-    def from_dict(cls, data: Any) -> SubqueueReport:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data if isinstance(data, dict) else {}).items() if k in known})
 
 
 #: Sub-queues reported by name (most slot time first); the rest are summed under ``other``.
@@ -189,16 +193,13 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
     ``inspect prio_stats`` keeps the full, machine-readable report.
     """
 
-    def number(value: float | None, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
-
     rows = {}
     for label, row in report.tiers.items():
         parts = [
-            f"wait p99 {number(row.wait_p99_ms, '{:.0f}')} ms",
+            f"wait p99 {fmt(row.wait_p99_ms, '{:.0f}')} ms",
             f"share {row.slot_time_share * 100:.0f} % of {row.configured_share * 100:.0f} %",
-            f"depth {number(row.depth, '{}')}",
-            f"oldest {number(row.oldest_wait_s, '{:.1f}')} s",
+            f"depth {fmt(row.depth)}",
+            f"oldest {fmt(row.oldest_wait_s, '{:.1f}')} s",
             f"running {row.running}",
             f"done {row.finished}",
         ]

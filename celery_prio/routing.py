@@ -84,6 +84,18 @@ def make_router(settings: PrioSettings, subqueue: Callable[[Tier, str], Any] | N
     return route_by_tier
 
 
+def sjf_queues(settings: PrioSettings, tasks: Any) -> list[str]:
+    """The shortest-first queues of the realtime tasks among ``tasks`` (``app.tasks``): served from the start."""
+    out = []
+    for name, task in list(tasks.items()):
+        try:
+            if tier_of_call(settings, name, None, task) is Tier.REALTIME:
+                out.append(settings.sjf_queue(name))
+        except ValueError:  # a task with a bad tier: check_task_tiers stops the worker with the reason
+            continue
+    return out
+
+
 def register_tier_queues(settings: PrioSettings) -> None:
     _TIER_QUEUES.update(settings.queue_name(t) for t in TIERS)
 

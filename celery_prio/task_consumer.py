@@ -21,7 +21,7 @@ from .brokers import BrokerFigures, Job, fetch_source_for
 from .fetchloop import FetchLoop
 from .headers import PROMOTED_HEADER, SLICE_HEADER
 from .report import WorkerReport, build_report
-from .routing import tier_of_call
+from .routing import sjf_queues
 from .scheduler import TierScheduler
 from .served import ServedQueues
 from .settings import PrioSettings
@@ -57,7 +57,6 @@ class TierFetcher:
         self.queues: list[Any] = []
         self.served = ServedQueues(settings)
         self.source = fetch_source_for(consumer.app, consumer.connection, self.served, settings, consumer.hostname)
-        self.channel = self.source.channel
         concurrency = self._concurrency()
         self.scheduler = TierScheduler(
             weights=settings.weights,
@@ -89,9 +88,7 @@ class TierFetcher:
         if settings.sjf:
             # Shortest-first queues of the realtime tasks this worker knows: served from the start,
             # without waiting for discovery (which RabbitMQ only offers through its management API).
-            known = [
-                settings.sjf_queue(name) for name, task in consumer.app.tasks.items() if self._realtime(name, task)
-            ]
+            known = sjf_queues(settings, consumer.app.tasks)
             self.source.prepare_subqueues(known)
             self.served.set_known(known)
 
@@ -104,6 +101,11 @@ class TierFetcher:
     def on_message(self, handler: Any) -> None:  # set by Celery's loop to its task handler
         self._handler = handler
         self.loop.deliver = None if handler is None else self._deliver
+
+    @property
+    def channel(self) -> Any:
+        """The channel the worker fetches and acks on (the source may replace it after a failed declare)."""
+        return self.source.channel
 
     @property
     def active(self) -> bool:
@@ -158,12 +160,6 @@ class TierFetcher:
         """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
 
     # -- wiring ------------------------------------------------------------------
-    def _realtime(self, name: str, task: Any) -> bool:
-        try:
-            return tier_of_call(self.settings, name, None, task) is Tier.REALTIME
-        except ValueError:  # a task with a bad tier: check_task_tiers stops the worker with the reason
-            return False
-
     def _concurrency(self) -> int:
         controller = self.c.controller
         limit = getattr(controller, "max_concurrency", None) or getattr(self.c.pool, "num_processes", None)

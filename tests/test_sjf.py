@@ -63,3 +63,15 @@ def test_a_long_task_is_not_starved_past_the_bound(env):
         thread.join(5)
     waits = {tag: start_times(env)[tag] - at for tag, at in sent.items()}
     assert max(waits.values()) < 1.0, waits  # unbounded SJF would run them only after the flood
+
+
+def test_a_shortest_first_queue_declared_with_other_arguments_does_not_stop_the_worker(amqp_env):
+    """RabbitMQ closes a channel on PRECONDITION_FAILED: the worker goes on with a new one and serves."""
+    env = amqp_env
+    queue = f"{env.prefix}.realtime.sjf-t-rt_short"
+    with env.app.connection_for_write() as conn:
+        conn.default_channel.queue_declare(queue=queue, durable=True, auto_delete=False, arguments={"x-max-length": 7})
+    worker = env.start_worker(concurrency=1)
+    assert env.app.tasks["t.rt_short"].delay("after", 0).get(timeout=20) == "after"
+    assert env.app.tasks["t.sleep"].delay("batch", 0).get(timeout=20) == "batch"
+    assert "exists with other arguments" in worker.log()

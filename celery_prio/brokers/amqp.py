@@ -139,22 +139,26 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     return channel
 
 
-def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
-    """A sub-queue: its tier's aging and dead-lettering, its own cap (``prio_subqueue_max_length``)."""
-    args = queue_arguments(settings, tier, subqueue=True)
-    try:
-        channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
-    except PreconditionFailed as exc:
-        logger.error(
-            "celery-prio: %s exists with other arguments (%s): %s; using it as it is", name, args, exc.reply_text
-        )
+def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str) -> Any:
+    """A sub-queue: its tier's aging and dead-lettering, its own cap (``prio_subqueue_max_length``).
+
+    Returns the channel to go on with (see ``_declare_as_is``)."""
+    return _declare_as_is(channel, name, queue_arguments(settings, tier, subqueue=True))
 
 
 def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
     """``<tier>.promoted``: uncapped (what enters it was admitted already); ages on like its tier."""
-    name = promoted_queue(settings, tier)
     ttl = aging_ttl(settings, tier)
     args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, tier)} if ttl else None
+    return _declare_as_is(channel, promoted_queue(settings, tier), args)
+
+
+def _declare_as_is(channel: Any, name: str, args: dict[str, Any] | None) -> Any:
+    """Declare ``name``; one that exists with other arguments is logged and used as it is.
+
+    RabbitMQ closes the channel on PRECONDITION_FAILED: the channel to go on
+    with is returned (a new one then).
+    """
     try:
         channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
     except PreconditionFailed as exc:
@@ -186,8 +190,7 @@ class AmqpAdapter(Broker):
 
     def subqueues(self, settings: PrioSettings) -> list[str]:
         """Listed by the management API (depths are then read exactly, queue by queue)."""
-        listing = management_client(self.app, settings).list_queues(subqueue_pattern(settings))
-        return [name for name, _ in listing or []]
+        return [name for name, _ in listed_subqueues(self.app, settings) or []]
 
     def delete_queues(self, queues: list[str]) -> None:
         channel = self._channel()
@@ -339,6 +342,11 @@ def subqueue_pattern(settings: PrioSettings) -> str:
     return rf"^({tiers})\.(?!promoted$)[A-Za-z0-9][A-Za-z0-9_-]{{0,63}}$"
 
 
+def listed_subqueues(app: Any, settings: PrioSettings) -> list[tuple[str, int | None]] | None:
+    """This app's sub-queues and their ready counts from the management API; None when it cannot list."""
+    return management_client(app, settings).list_queues(subqueue_pattern(settings))
+
+
 class AmqpFetchSource(FetchSource):
     """The worker's RabbitMQ side: ``basic_get`` per queue, guarded.
 
@@ -397,7 +405,7 @@ class AmqpFetchSource(FetchSource):
         for name in names:
             tier = self.settings.tier_for_queue(name)
             if tier is not None:
-                declare_subqueue(self.channel, self.settings, tier, name)
+                self.channel = declare_subqueue(self.channel, self.settings, tier, name)
 
     def discover_subqueues(self) -> list[str] | None:
         """Sub-queues from the management API's queue list (RabbitMQ has no other way to list queues).
@@ -405,7 +413,7 @@ class AmqpFetchSource(FetchSource):
         Those it lists with no message ready share ``IDLE_PROBE_BUDGET``
         basic_gets a second between them.
         """
-        listing = management_client(self.app, self.settings).list_queues(subqueue_pattern(self.settings))
+        listing = listed_subqueues(self.app, self.settings)
         if listing is None:
             if not self._warned_listing:
                 self._warned_listing = True

@@ -73,13 +73,18 @@ class _ProcessConnection:
     _subqueues: tuple[float, list[str]] | None = None
 
     def subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
-        """This app's sub-queues, listed at most every ``SUBQUEUE_LIST_TTL`` seconds per process."""
+        """This app's sub-queues (listed, and realtime's shortest-first ones), at most every
+        ``SUBQUEUE_LIST_TTL`` seconds per process: asked at sliced tasks' element boundaries."""
         now = time.monotonic()
         if self._subqueues is None or now - self._subqueues[0] > SUBQUEUE_LIST_TTL or self._pid != os.getpid():
             try:
                 names = self.list_subqueues(app, settings)
             except Exception:  # a listing that fails leaves the last one in use
                 names = self._subqueues[1] if self._subqueues else []
+            if settings.sjf:
+                from ..routing import sjf_queues
+
+                names = [*names, *sjf_queues(settings, app.tasks)]
             self._subqueues = (now, names)
         return self._subqueues[1]
 
@@ -90,19 +95,10 @@ class _ProcessConnection:
 SUBQUEUE_LIST_TTL = 2.0  # seconds a pool child reuses its list of a tier's sub-queues
 
 
-def tier_queues(app: Any, settings: PrioSettings, tier: Tier, subqueues: list[str]) -> list[str]:
-    """Where ``tier``'s work waits: its queue, its front lane, its sub-queues (and realtime's shortest-first ones)."""
+def tier_queues(settings: PrioSettings, tier: Tier, subqueues: list[str]) -> list[str]:
+    """Where ``tier``'s work waits: its queue, its front lane and those of ``subqueues`` that are its."""
     lane = settings.front_lanes().get(tier)
     names = [settings.queue_name(tier), *([lane] if lane else [])]
-    if tier is Tier.REALTIME and settings.sjf:
-        from ..routing import tier_of_call
-
-        for name, task in list(app.tasks.items()):
-            try:
-                if tier_of_call(settings, name, None, task) is Tier.REALTIME:
-                    names.append(settings.sjf_queue(name))
-            except ValueError:
-                continue
     names += [n for n in subqueues if settings.subqueue_of(n, tier) is not None]
     return list(dict.fromkeys(names))
 
@@ -132,7 +128,7 @@ class RedisContinuations(_ProcessConnection):
     def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
         """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
 
-        names = tier_queues(app, settings, tier, self.subqueues(app, settings))
+        names = tier_queues(settings, tier, self.subqueues(app, settings))
 
         def count(client: Any) -> int:
             pipe = client.pipeline(transaction=False)
@@ -143,8 +139,9 @@ class RedisContinuations(_ProcessConnection):
         return self._guarded(app, count)
 
     def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
-        members = self._guarded(app, lambda client: client.smembers(settings.subqueue_registry))
-        return [m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members]
+        from .redis_transport import registered_subqueues
+
+        return self._guarded(app, lambda client: registered_subqueues(client, settings.subqueue_registry))
 
     def _guarded(self, app: Any, work: Callable[[Any], Any]) -> Any:
         conn = self.connection(app)
@@ -160,11 +157,9 @@ class AmqpContinuations(_ProcessConnection):
     transport_options = {"confirm_publish": False}
 
     def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
-        from .amqp import subqueue_pattern
-        from .amqp_management import management_client
+        from .amqp import listed_subqueues
 
-        listing = management_client(app, settings).list_queues(subqueue_pattern(settings))
-        return [name for name, _ in listing or []]
+        return [name for name, _ in listed_subqueues(app, settings) or []]
 
     def _with_channel(self, app: Any, work: Callable[[Any], Any]) -> Any:
         conn = self.connection(app)
@@ -213,7 +208,7 @@ class AmqpContinuations(_ProcessConnection):
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""
         from amqp.exceptions import NotFound
 
-        names = tier_queues(app, settings, tier, self.subqueues(app, settings))
+        names = tier_queues(settings, tier, self.subqueues(app, settings))
 
         def work(channel: Any) -> int:
             total = 0

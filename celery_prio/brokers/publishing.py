@@ -93,7 +93,14 @@ class Publishing:
     def bulk_session(
         self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
     ) -> BulkSession:
-        """A session that publishes chunks of prepared task messages to ``tier`` (see ``celery_prio.bulk``)."""
+        """A session that publishes chunks of prepared task messages to ``tier`` or one of its sub-queues
+        (see ``celery_prio.bulk``)."""
+        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
+        return self.new_bulk_session(app, connection, settings, tier, queue)
+
+    def new_bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
+    ) -> BulkSession:
         raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")
 
 
@@ -179,12 +186,11 @@ class RedisPublishing(Publishing):
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
 
-    def bulk_session(
-        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    def new_bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
     ) -> BulkSession:
         from .redis_transport import RedisBulkSession
 
-        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
         return RedisBulkSession(app, connection, settings, tier, queue)
 
 
@@ -241,13 +247,12 @@ class AmqpPublishing(Publishing):
                 declare_tier_queues(conn.channel(), settings)
             self._declared.set()
 
-    def bulk_session(
-        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    def new_bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
     ) -> BulkSession:
         from .amqp import AmqpBulkSession
 
         self.before_send(app, settings)
-        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
         return AmqpBulkSession(app, connection, settings, tier, queue)
 
     def refusal(self, app: Any, settings: PrioSettings, tier: Tier, exc: BaseException) -> QueueFull | None:

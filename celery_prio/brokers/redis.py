@@ -16,7 +16,7 @@ from ..tiers import TIERS, Tier
 from ..untrusted import decode_redis_element, enqueue_age
 from .base import Broker, BrokerFigures, FetchSource, Job, Take
 from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, PROMOTE, STAMP
-from .redis_transport import drain_rate
+from .redis_transport import drain_rate, registered_subqueues
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class RedisAdapter(Broker):
         return int(self.client.llen(queue))
 
     def subqueues(self, settings: PrioSettings) -> list[str]:
-        members = self.client.smembers(settings.subqueue_registry)
-        return sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members)
+        return registered_subqueues(self.client, settings.subqueue_registry)
 
     def delete_queues(self, queues: list[str]) -> None:
         for name in queues:
@@ -260,11 +259,10 @@ class RedisFetchSource(FetchSource):
             version = self.channel.client.get(registry + ".version")
             if version == self._registry_version and self._registry is not None:
                 return self._registry
-            members = self.channel.client.smembers(registry)
+            members = registered_subqueues(self.channel.client, registry)
         except self.channel.connection_errors:
             return None
-        self._registry_version = version
-        self._registry = sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in members)
+        self._registry_version, self._registry = version, members
         return self._registry
 
     def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:

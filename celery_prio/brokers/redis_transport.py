@@ -77,6 +77,11 @@ def cap_rule(options: dict, queue: str) -> list | None:
     return None
 
 
+def registered_subqueues(client: Any, registry: str) -> list[str]:
+    """The sub-queues publishers added to the Redis set ``registry`` (``PrioSettings.subqueue_registry``)."""
+    return sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in client.smembers(registry))
+
+
 RATE_FRESH_FOR = 10.0  # seconds a worker's reported rate counts
 
 
