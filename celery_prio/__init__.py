@@ -9,6 +9,7 @@ or ``task.apply_async(..., tier="batch")``.
 
 from __future__ import annotations
 
+from .boost import Boost, boost, wait
 from .bulk import BulkQueueFull, BulkResult, bulk
 from .errors import ConfigError, QueueFull
 from .install import install
@@ -18,15 +19,18 @@ from .tiers import TIERS, Tier, parse_tier
 
 __all__ = [
     "TIERS",
+    "Boost",
     "BulkQueueFull",
     "BulkResult",
     "ConfigError",
     "QueueFull",
     "Tier",
+    "boost",
     "bulk",
     "install",
     "parse_tier",
     "settings_for",
     "slices",
+    "wait",
 ]
 __version__ = "0.1.0"

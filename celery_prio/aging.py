@@ -102,13 +102,25 @@ def plan_promotions(
         if not running or now - stamp < threshold:
             running = False
             continue
-        history = headers.get(PROMOTED_HEADER)
-        headers[PROMOTED_HEADER] = [*(history if isinstance(history, list) else []), tier.label]
-        props = message["properties"]
-        if not isinstance(props.get("delivery_info"), Mapping):
-            props["delivery_info"] = {}
-        # Addressed to the upper tier's promoted list itself (anonymous exchange).
-        props["delivery_info"] = {**props["delivery_info"], "exchange": "", "routing_key": upper_queue}
+        readdress(message, tier, upper_queue, PROMOTED_HEADER)
         plan.originals.append(raw)
         plan.rewritten.append(json.dumps(message))
     return plan
+
+
+def readdress(message: dict, from_tier: Tier, queue: str, history_header: str) -> dict:
+    """Rewrite a decoded Redis envelope, in place, for a move to ``queue`` (aging, boost).
+
+    ``history_header`` gets ``from_tier`` appended; ``delivery_info`` is
+    addressed to ``queue`` itself (anonymous exchange), or a later restore
+    would send the message back where it came from.
+    """
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        headers = message["headers"] = {}
+    history = headers.get(history_header)
+    headers[history_header] = [*(history if isinstance(history, list) else []), from_tier.label]
+    props = message["properties"]
+    info = props.get("delivery_info")
+    props["delivery_info"] = {**(info if isinstance(info, Mapping) else {}), "exchange": "", "routing_key": queue}
+    return message

@@ -65,6 +65,8 @@ def cluster_status(app, settings, adapter) -> dict:
             "configured_share": round(configured[tier], 4),
             # Broker-wide counters: every worker reports the same figure, so the largest (the freshest).
             "promoted": worst("promoted"),
+            "boosted": worst("boosted"),
+            "boosted_seen": sum(r.boosted_seen for r in per_worker),
             "rejected": worst("rejected"),
             "dropped": worst("dropped"),
             "dead_lettered": worst("dead_lettered"),
@@ -117,7 +119,7 @@ def status(ctx, as_json: bool, watch: float | None):
                     click.clear()
                 header = (
                     f"{'tier':<10}{'depth':>8}{'max':>9}{'workers':>9}{'dispatched':>12}{'running':>9}"
-                    f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}{'yields':>8}{'slice s':>9}"
+                    f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}{'yields':>8}{'boosted':>9}{'slice s':>9}"
                 )
                 click.echo(header)
                 for label, r in data["tiers"].items():
@@ -125,7 +127,8 @@ def status(ctx, as_json: bool, watch: float | None):
                         f"{label:<10}{r['depth']:>8}{fmt(r['max_length']):>9}{r['workers']:>9}"
                         f"{r['dispatched']:>12}{r['running']:>9}{fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
                         f"{fmt(r['wait_p99_ms'], '{:.0f}'):>13}{fmt(r['slot_time_share'], '{:.2f}'):>8}"
-                        f"{r['configured_share']:>7.2f}{r['yields']:>8}{fmt(r['slice_s'], '{:.2f}'):>9}"
+                        f"{r['configured_share']:>7.2f}{r['yields']:>8}{boosted_figure(r):>9}"
+                        f"{fmt(r['slice_s'], '{:.2f}'):>9}"
                     )
                 if data["subqueues"]:
                     click.echo(
@@ -145,6 +148,29 @@ def status(ctx, as_json: bool, watch: float | None):
             time.sleep(watch)
     finally:
         adapter.close()
+
+
+def boosted_figure(row: dict) -> str:
+    """Tasks boosted out of the tier (Redis counts them broker-wide), else boosted ones the workers ran."""
+    return str(row["boosted"] if row.get("boosted") is not None else row.get("boosted_seen", 0))
+
+
+@prio.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.option("--tier", cls=CeleryOption, default="realtime", help="Lift it into this tier (default realtime).")
+@click.pass_context
+def boost(ctx, task_id: str, tier: str):
+    """Lift a queued task into a higher tier now (priority inheritance by hand): prints what happened."""
+    from .boost import boost as boost_task
+
+    app = ctx.obj.app
+    try:
+        outcome = boost_task(task_id, tier, app=app)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tier") from None
+    where = f" from {outcome.from_tier.label}" if outcome.from_tier is not None else ""
+    detail = f" ({outcome.detail})" if outcome.detail else ""
+    click.echo(f"{task_id}: {outcome.outcome}{where} -> {outcome.tier.label}{detail}")
 
 
 @prio.group()

@@ -1,14 +1,19 @@
-"""``celery -A app inspect prio_stats``: a worker's per-tier figures as JSON.
+"""Remote control: ``celery -A app inspect prio_stats`` (a worker's per-tier figures as JSON) and
+``prio_supersede`` (boosts on RabbitMQ: which task copies are stale).
 
 Imported by ``install()`` so that both the worker (which answers) and the
-``celery inspect`` client (which checks command names) know the command.
+``celery inspect`` client (which checks command names) know the commands.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from celery.worker.control import inspect_command
+from celery.worker import state as worker_state
+from celery.worker.control import control_command, inspect_command
+
+from .superseded import superseded
 
 
 @inspect_command()
@@ -28,3 +33,24 @@ def collect_prio_stats(app: Any, timeout: float = 1.0, limit: int | None = None)
     for reply in replies:
         merged.update(reply)
     return merged
+
+
+@control_command(
+    args=[("task_id", str), ("generation", int), ("retract", bool)],
+    signature="<task_id> <generation> [retract]",
+)
+def prio_supersede(state: Any, task_id: str, generation: int, retract: bool = False) -> dict[str, Any]:
+    """celery-prio boost (RabbitMQ): copies of ``task_id`` below ``generation`` are stale; say if held here.
+
+    Runs on the worker's event loop, like its fetches: either this worker
+    holds the task now (it answers ``held``, records nothing), or any copy it
+    fetches from now on is checked against the record.
+    """
+    prefix = getattr(getattr(state.app, "_celery_prio_settings", None), "queue_prefix", None)
+    if retract:
+        superseded.retract(task_id, generation)
+        return {"prefix": prefix, "retracted": True}
+    held = any(r.id == task_id for r in (*worker_state.reserved_requests, *worker_state.scheduled_requests))
+    if not held:
+        superseded.record(task_id, generation, time.time())
+    return {"prefix": prefix, "held": held}

@@ -26,3 +26,9 @@ SLICE_HEADER = "prio_slice"
 #: Broker key/queue recording how many continuations of a task id were
 #: committed; a copy of an earlier generation is stale and is acked unrun.
 SLICE_MARKER_SUFFIX = ".slice."
+
+#: The tiers a task was lifted from by ``celery_prio.boost`` (priority inheritance at run time), oldest first.
+BOOSTED_HEADER = "prio_boosted_from"
+#: On a lifted copy published by a RabbitMQ boost: ``{"gen": n}``. A worker that was told about
+#: generation n of a task id acks every copy of an earlier generation unrun (the stale original).
+BOOST_GENERATION_HEADER = "prio_boost"

@@ -22,6 +22,7 @@ from typing import Any
 from celery import Signature, chord, group
 from celery.canvas import _chain
 
+from .headers import BOOSTED_HEADER
 from .routing import tier_of_call
 from .settings import PrioSettings, settings_for
 from .tiers import Tier
@@ -111,15 +112,40 @@ def lift_canvases() -> None:
     _wrap(chord, "apply_async")
 
 
-def parent_tier(settings: PrioSettings) -> Tier | None:
-    """The tier of the task running in this thread (a worker's pool child), or None outside a task."""
-    if not settings.inherit:
-        return None
+def _running_request() -> Any:
+    """The request of the task running in this thread (a worker's pool child), or None outside a task."""
     from celery import current_task
 
     task = current_task._get_current_object() if current_task else None
     request = getattr(task, "request", None)
     if task is None or request is None or request.called_directly:
         return None
+    return request
+
+
+def parent_tier(settings: PrioSettings, always: bool = False) -> Tier | None:
+    """The tier of the task running in this thread (None outside a task, or with ``prio_inherit`` off)."""
+    if not (settings.inherit or always):
+        return None
+    request = _running_request()
+    if request is None:
+        return None
     queue = (request.delivery_info or {}).get("routing_key") or ""
     return settings.tier_for_queue(queue)
+
+
+def boosted_floor(settings: PrioSettings) -> Tier | None:
+    """The tier a boosted running task was lifted to: what it publishes runs at least there.
+
+    A chain's next step, a chord's body, a child: what waits on the boosted
+    task waits on them too. None outside a boosted task or with ``prio_inherit`` off.
+    """
+    if not settings.inherit:
+        return None
+    request = _running_request()
+    if request is None:
+        return None
+    headers = getattr(request, "headers", None) or {}
+    if getattr(request, BOOSTED_HEADER, None) is None and BOOSTED_HEADER not in headers:
+        return None
+    return parent_tier(settings)

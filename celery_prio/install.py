@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from . import control  # noqa: F401 - registers `celery inspect prio_stats`
+from . import control  # noqa: F401 - registers `celery inspect prio_stats` and `prio_supersede`
 from .admission import guard_send_task
 from .brokers.publishing import publishing_for
 from .canvas import route_groups_through_bulk
@@ -74,6 +74,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     lift_canvases()
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
+    publishing.remember_publishes(settings)  # after the stamp: what a boost republishes carries it
     app.on_after_finalize.connect(_log_task_tier_errors, weak=False)
     return settings
 

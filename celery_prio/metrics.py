@@ -58,6 +58,15 @@ class PrioCollector:
         yield family(GaugeMetricFamily, "oldest_wait_seconds", "Age of the oldest waiting message", "oldest_wait_s")
         yield family(GaugeMetricFamily, "max_wait_seconds", "Longest queue wait seen", "wait_max_s")
         yield family(CounterMetricFamily, "promoted", "Messages promoted out of the tier (Redis)", "promoted")
+        yield family(
+            CounterMetricFamily, "boosted", "Tasks lifted out of the tier by celery_prio.boost (Redis)", "boosted"
+        )
+        yield family(
+            CounterMetricFamily,
+            "boosted_seen",
+            "Tasks this worker took that a boost lifted into the tier",
+            "boosted_seen",
+        )
         yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 (Redis)", "rejected")
         yield family(CounterMetricFamily, "dropped", "Messages evicted to the dead letters (Redis)", "dropped")
         yield family(
@@ -94,6 +103,11 @@ class PrioCollector:
                 hist = getattr(stats.tiers[tier], attr)
                 metric.add_metric([label], hist.cumulative(), sum_value=hist.total)
             yield metric
+        yield CounterMetricFamily(
+            "celery_prio_stale_skipped",
+            "Originals of boosted tasks this worker acked unrun (RabbitMQ)",
+            value=report.stale_skipped,
+        )
         yield GaugeMetricFamily("celery_prio_scrape_timestamp_seconds", "When this scrape ran", value=time.time())
 
 

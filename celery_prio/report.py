@@ -49,6 +49,7 @@ class TierReport(_FromReply):
     depth: int | None = None  # waiting in the queues this worker serves (read every 2 s)
     # Broker-wide counters (Redis keeps them; None on RabbitMQ).
     promoted: int | None = None
+    boosted: int | None = None  # lifted out of the tier by celery_prio.boost
     rejected: int | None = None
     dropped: int | None = None
     dead_lettered: int | None = None
@@ -58,6 +59,7 @@ class TierReport(_FromReply):
     run_p50_ms: float | None = None
     run_p99_ms: float | None = None
     promoted_seen: int = 0
+    boosted_seen: int = 0  # tasks this worker ran that a boost had lifted into the tier
     # GPU time slices: runs of sliced tasks that gave their slot back, and the tier's slice length.
     yields: int = 0
     slice_s: float | None = None
@@ -85,6 +87,7 @@ class WorkerReport:
     scheduler: str = "time"
     broker_calls: int = 0
     polled_queues: list[str] = field(default_factory=list)
+    stale_skipped: int = 0  # originals of boosted tasks (RabbitMQ) this worker acked unrun
     tiers: dict[str, TierReport] = field(default_factory=dict)
     subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
@@ -114,6 +117,7 @@ def build_report(
     now: float,
     yields: Mapping[Tier, int] | None = None,
     slice_lengths: Mapping[Tier, float | None] | None = None,
+    stale_skipped: int = 0,
 ) -> WorkerReport:
     shares = scheduler.shares()
     configured = scheduler.configured_shares()
@@ -141,6 +145,7 @@ def build_report(
             oldest_wait_s=None if oldest is None else round(oldest, 3),
             depth=broker.depth.get(tier),
             promoted=counted("promoted"),
+            boosted=counted("boosted"),
             rejected=counted("rejected"),
             dropped=counted("dropped"),
             dead_lettered=counted("dead_lettered"),
@@ -155,6 +160,7 @@ def build_report(
         scheduler=scheduler.mode,
         broker_calls=broker_calls,
         polled_queues=served.all_names(),
+        stale_skipped=stale_skipped,
         tiers=tiers,
     )
 
@@ -207,5 +213,7 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
             parts.append(f"yields {row.yields}")
         if row.promoted:
             parts.append(f"promoted {row.promoted}")
+        if row.boosted or row.boosted_seen:
+            parts.append(f"boosted {row.boosted if row.boosted is not None else row.boosted_seen}")
         rows[f"prio {label}"] = " · ".join(parts)
     return rows

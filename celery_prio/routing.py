@@ -58,10 +58,11 @@ def make_router(settings: PrioSettings, subqueue: Callable[[Tier, str], Any] | N
     def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
         # ``tier`` and ``subqueue`` are ours, not publish options: pop them so kombu never sees them.
         tier = tier_of_call(settings, name, options.pop("tier", None), task)
-        if tier is None:  # nothing names one: a child of a running task runs at its parent's tier
-            from .inherit import parent_tier
+        from .inherit import boosted_floor, higher, parent_tier
 
-            tier = parent_tier(settings)
+        # Nothing names one: a child of a running task runs at its parent's tier. Published by a boosted
+        # task (a chain's next step, a child): at least at the tier it was lifted to.
+        tier = parent_tier(settings) if tier is None else higher(tier, boosted_floor(settings))
         sub = subqueue_of_call(settings, name, options.pop("subqueue", None), task, (args, kwargs, options))
         if sub is not None and tier is None:
             tier = settings.default_tier  # a sub-queue lives in a tier: the default one unless named

@@ -71,6 +71,8 @@ class TierScheduler:
     tiers: dict[Tier, TierState] = field(init=False)
     #: A tier a sliced task just gave its slot to: first for the next free slot (see :meth:`hand_off_to`).
     hand_off: Tier | None = field(init=False, default=None)
+    #: Per tier, its running tasks that are blocked in ``celery_prio.wait`` (told by the worker, see ``_ranking``).
+    blocked: dict[Tier, int] = field(init=False, default_factory=dict)
     vclock: float = field(init=False, default=0.0)
     # Count-mode floor: credit in "per 100 dispatches" units, full at 100.
     offline_credit: float = field(init=False, default=100.0)  # first offline task need not wait
@@ -142,8 +144,14 @@ class TierScheduler:
         self, headroom: bool, overrun: Mapping[Tier, float] | None = None, busy_now: Iterable[Tier] = ()
     ) -> list[Tier]:
         # Until one of its tasks finished, a tier's run time is a guess: give it
-        # one slot, not a burst of slots it might hold for minutes.
-        candidates = [t for t in TIERS if t in self.served and (self.tiers[t].measured or self.tiers[t].running == 0)]
+        # one slot, not a burst of slots it might hold for minutes. A task blocked
+        # waiting on other work (``blocked``) does not count: what it waits on may
+        # be the next task of its own tier (a boosted dependency).
+        candidates = [
+            t
+            for t in TIERS
+            if t in self.served and (self.tiers[t].measured or self.tiers[t].running <= self.blocked.get(t, 0))
+        ]
         if headroom and not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
         weights = self.effective_weights(busy_now)

@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     # Priority inheritance at publish time: chain/chord steps a higher tier waits on run at its tier;
     # children of a running task that name no tier run at the parent's.
     "inherit": True,
+    # celery_prio.boost on RabbitMQ: how long to wait for every worker to confirm it will skip the stale
+    # original, and how many recently published batch/offline tasks a process remembers (what it can boost).
+    "boost_timeout": 1.0,
+    "boost_memory": 10_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
@@ -88,6 +92,12 @@ def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) ->
     return float(value)
 
 
+def _whole(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"prio_{name} must be a whole number >= 0, got {value!r}")
+    return value
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
@@ -127,6 +137,8 @@ class PrioSettings:
     subqueue_key: Any
     subqueue_max_length: dict[Tier, int | None]
     inherit: bool
+    boost_timeout: float
+    boost_memory: int
     sjf: bool
     sjf_max_wait: float
     max_length: dict[Tier, int | None]
@@ -220,6 +232,8 @@ class PrioSettings:
         """
         tiers = {lower.promoted() for lower in TIERS if lower is not Tier.REALTIME and self.aging[lower] is not None}
         tiers |= {t for t in TIERS if self.slice[t] is not None}
+        if self.inherit:  # celery_prio.boost lifts a queued task into realtime's or batch's front lane
+            tiers |= {Tier.REALTIME, Tier.BATCH}
         return {t: self.queue_name(t) + PROMOTED_SUFFIX for t in TIERS if t in tiers}
 
     def tier_for_task_name(self, name: str) -> Tier | None:
@@ -381,6 +395,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         subqueue_key=subqueue_key,
         subqueue_max_length=subqueue_max_length,
         inherit=_flag("inherit", raw["inherit"]),
+        boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
+        boost_memory=_whole("boost_memory", raw["boost_memory"]),
         sjf=_flag("sjf", raw["sjf"]),
         sjf_max_wait=_number("sjf_max_wait", raw["sjf_max_wait"], minimum=0, inclusive=False),
         max_length=max_length,

@@ -36,8 +36,9 @@ from collections.abc import Iterable, Mapping
 
 from .tiers import TIERS, Tier
 
-# Per tier: asked_at (monotonic seconds), yields (count), preemptors (bit mask of tiers).
-_TIER = struct.Struct("=dqq")
+# Per tier: asked_at (monotonic seconds), yields (count), preemptors (bit mask of tiers),
+# waiting (its tasks blocked in celery_prio.wait on other tasks).
+_TIER = struct.Struct("=dqqq")
 # Global: pending yields (since the main process last refilled), tier yielded for (+1; 0 none).
 _GLOBAL = struct.Struct("=qq")
 _SIZE = _GLOBAL.size + _TIER.size * len(TIERS)
@@ -57,10 +58,17 @@ class SliceBoard:
         return _GLOBAL.size + _TIER.size * tier.value
 
     def _read_tier(self, tier: Tier) -> tuple[float, int, int]:
-        return _TIER.unpack_from(self._mem, self._tier_offset(tier))
+        return _TIER.unpack_from(self._mem, self._tier_offset(tier))[:3]
 
     def _write_tier(self, tier: Tier, asked_at: float, yields: int, preemptors: int) -> None:
-        _TIER.pack_into(self._mem, self._tier_offset(tier), asked_at, yields, preemptors)
+        waiting = _TIER.unpack_from(self._mem, self._tier_offset(tier))[3]
+        _TIER.pack_into(self._mem, self._tier_offset(tier), asked_at, yields, preemptors, waiting)
+
+    def _add_waiting(self, tier: Tier, delta: int) -> None:
+        with self._lock:
+            fields = list(_TIER.unpack_from(self._mem, self._tier_offset(tier)))
+            fields[3] = max(fields[3] + delta, 0)
+            _TIER.pack_into(self._mem, self._tier_offset(tier), *fields)
 
     # -- pool child ----------------------------------------------------------------
     def ask(self, tier: Tier, now: float) -> list[Tier]:
@@ -81,7 +89,19 @@ class SliceBoard:
             self._write_tier(tier, asked_at, yields + 1, preemptors)
             return True
 
+    def enter_wait(self, tier: Tier) -> None:
+        """A task of ``tier`` blocks in ``celery_prio.wait`` (priority inheritance): it holds a slot, runs nothing."""
+        self._add_waiting(tier, 1)
+
+    def leave_wait(self, tier: Tier) -> None:
+        self._add_waiting(tier, -1)
+
     # -- main process ----------------------------------------------------------------
+    def waiting(self) -> dict[Tier, int]:
+        """Per tier, its tasks blocked in ``celery_prio.wait`` now (a child killed while waiting leaves one)."""
+        with self._lock:
+            return {t: _TIER.unpack_from(self._mem, self._tier_offset(t))[3] for t in TIERS}
+
     def active_tiers(self, since: float) -> list[Tier]:
         """Tiers whose sliced tasks looked at the board at or after ``since``."""
         with self._lock:

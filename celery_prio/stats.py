@@ -54,6 +54,7 @@ class TierFigures:
     waits: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     runtimes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     promoted_seen: int = 0  # fetched messages that had been promoted into this tier
+    boosted_seen: int = 0  # fetched messages that celery_prio.boost had lifted into this tier
     max_wait: float = 0.0
     head_wait: float | None = None  # wait of the last message taken from the head
     head_seen_at: float | None = None
@@ -73,6 +74,9 @@ class WorkerStats:
             figures.wait_hist.observe(wait)
             figures.max_wait = max(figures.max_wait, wait)
             figures.head_wait, figures.head_seen_at = wait, now
+
+    def observe_boosted(self, tier: Tier) -> None:
+        self.tiers[tier].boosted_seen += 1
 
     def observe_run(self, tier: Tier, seconds: float) -> None:
         self.tiers[tier].runtimes.append(seconds)
@@ -102,4 +106,5 @@ class WorkerStats:
             "run_p50_ms": ms(percentile(runs, 50)),
             "run_p99_ms": ms(percentile(runs, 99)),
             "promoted_seen": f.promoted_seen,
+            "boosted_seen": f.boosted_seen,
         }

@@ -19,7 +19,7 @@ from celery.worker.consumer import Consumer
 
 from .brokers import BrokerFigures, Job, fetch_source_for
 from .fetchloop import FetchLoop
-from .headers import PROMOTED_HEADER, SLICE_HEADER
+from .headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
 from .report import WorkerReport, build_report
 from .routing import sjf_queues
 from .scheduler import TierScheduler
@@ -27,6 +27,7 @@ from .served import ServedQueues
 from .settings import PrioSettings
 from .slice_board import board
 from .stats import WorkerStats
+from .superseded import generation_of, superseded
 from .tiers import Tier
 from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 
@@ -130,6 +131,8 @@ class TierFetcher:
     def consume(self, no_ack: bool | None = None) -> None:
         if self.loop.active:
             return
+        # Before the first fetch: boosts from now on wait for this worker's answer, earlier ones are read here.
+        superseded.merge(self.source.join_fleet(), time.time())
         self.loop.start()
         jobs = [
             # Safety net for requests that end without a pool callback
@@ -198,7 +201,9 @@ class TierFetcher:
         self.board.refilled()
 
     def _check_slices(self) -> None:
-        """Tell running sliced tasks which higher tiers they yield to (no broker call here)."""
+        """Tell running sliced tasks which higher tiers they yield to (no broker call here); and learn which
+        running tasks are blocked waiting on other work (``celery_prio.wait``)."""
+        self.scheduler.blocked = self.board.waiting()
         sliced = self.board.active_tiers(time.monotonic() - SLICE_ACTIVE_WINDOW)
         preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
         self.board.set_preemptors(preemptors)
@@ -232,7 +237,15 @@ class TierFetcher:
             message.ack()
             return
         headers = message.headers or {}
+        if superseded.is_stale(headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER))):
+            # A RabbitMQ boost published a lifted copy of this task: this is the original, left behind.
+            superseded.skipped += 1
+            logger.info("celery-prio: %s[%s] was boosted: stale copy acked unrun", headers.get("task"), headers["id"])
+            message.ack()
+            return
         now = time.time()
+        if BOOSTED_HEADER in headers:
+            self.stats.observe_boosted(tier)
         if SLICE_HEADER in headers:  # a sliced task resuming: neither a new arrival nor a new promotion
             self.stats.observe_fetch(tier, None, False, now)
         else:
@@ -261,6 +274,7 @@ class TierFetcher:
             time.monotonic(),
             yields=self.board.yields(),
             slice_lengths=self.settings.slice,
+            stale_skipped=superseded.skipped,
         )
 
     def info(self) -> dict[str, Any]:

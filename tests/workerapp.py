@@ -113,6 +113,16 @@ def make_app(
         record("body", "chord")
         return sum(sum(r) for r in results)
 
+    @app.task(shared=False, name="t.rt_waits", tier="realtime")
+    def rt_waits(task_id: str, timeout: float) -> Any:
+        """A realtime task that needs a lower-tier task's result (priority inversion without celery_prio.wait)."""
+        return celery_prio.wait(app.AsyncResult(task_id), timeout=timeout)
+
+    @app.task(shared=False, name="t.rt_spawn_and_wait", tier="realtime")
+    def rt_spawn_and_wait(tag: str, seconds: float, timeout: float) -> Any:
+        """Publishes an offline task itself (RabbitMQ boosts from the publishing process), then waits on it."""
+        return celery_prio.wait(sleep.apply_async((tag, seconds), tier="offline"), timeout=timeout)
+
     if os.environ.get("PRIO_TEST_BOGUS_TIER") == "1":  # a typo a worker must refuse to start with
 
         @app.task(shared=False, name="t.bogus", tier="nope")

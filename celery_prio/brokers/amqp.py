@@ -33,6 +33,8 @@ from .publishing import BulkSession, fast_json
 logger = logging.getLogger(__name__)
 
 OVERFLOW_ARG = {"reject": "reject-publish", "drop_oldest": "drop-head"}
+#: Logged once a worker counts for boosts (before its first fetch); tests wait for it.
+FLEET_JOINED = "joined the fleet"
 
 
 def dead_letter_exchange(settings: PrioSettings, tier: Tier) -> str:
@@ -424,6 +426,17 @@ class AmqpFetchSource(FetchSource):
             return None
         self._listed_empty = {name for name, ready in listing if ready == 0}
         return [name for name, _ in listing]
+
+    def join_fleet(self) -> list[list[Any]]:
+        from .amqp_boost import join_fleet, read_journal
+
+        # On the worker's own connection: counted while it is up (and its control queue with it).
+        join_fleet(self.channel.connection.channel(), self.settings)
+        with self.app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=3)
+            records = read_journal(conn.connection, self.settings)
+        logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
+        return records
 
     def get(self, queue: str) -> tuple[bool, Any]:
         """``(took, message)``: ``(False, None)`` empty; ``(True, None)`` one was dead-lettered, ask again."""

@@ -38,6 +38,34 @@ class Take:
     empty_queues: tuple[str, ...] = ()  # queues found empty on the way (their share stops banking time)
 
 
+#: What ``celery_prio.boost`` can report (see :class:`Boost`).
+BOOST_OUTCOMES = ("boosted", "already", "running", "finished", "not_found", "refused")
+
+
+@dataclass(frozen=True)
+class Boost:
+    """What one ``celery_prio.boost(task, tier)`` did.
+
+    ``boosted``: lifted into ``tier``'s front lane (from ``from_tier``'s
+    ``queue``). ``already``: queued at ``tier`` or above, nothing to do.
+    ``running``: a worker holds it (running, reserved or waiting for its
+    ETA). ``finished``: its result is in. ``not_found``: not queued where this
+    process can lift it, and not known to have started (``detail`` says why).
+    ``refused``: not lifted because it could not be done safely (``detail``).
+    """
+
+    outcome: str
+    task_id: str
+    tier: Tier
+    from_tier: Tier | None = None
+    queue: str | None = None
+    detail: str = ""
+
+    @property
+    def lifted(self) -> bool:
+        return self.outcome == "boosted"
+
+
 @dataclass(frozen=True)
 class Job:
     """A housekeeping job the worker runs on its event loop every ``interval`` seconds."""
@@ -85,6 +113,11 @@ class FetchSource(ABC):
     def discover_subqueues(self) -> list[str] | None:
         """Every sub-queue published to (``<prefix>.<tier>.<name>``); None when the broker cannot say now."""
         return None
+
+    def join_fleet(self) -> list[list[Any]]:
+        """Called before the first fetch: count this worker among those a boost asks; the boost records it
+        must know (``[[task id, generation, at], ...]``, see ``superseded.py``). Only RabbitMQ needs any."""
+        return []
 
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         """Jobs this broker needs on the worker's loop (``dispatched`` gives the counts per tier so far)."""

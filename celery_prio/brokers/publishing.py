@@ -90,6 +90,20 @@ class Publishing:
     def continuations(self) -> Any:
         raise NotImplementedError("GPU time slices support Redis and RabbitMQ")
 
+    def boost(self, app: Any, settings: PrioSettings, task_id: str, tier: Tier) -> Any:
+        """Lift a queued task into ``tier`` (``brokers.base.Boost``), or None where this process cannot find it."""
+        return self.booster.lift(app, settings, task_id, tier)
+
+    #: Why a boost may find nothing (``Boost.detail`` of ``not_found``).
+    boost_not_found = "not queued in this app's tier queues (unknown id, or running without task_track_started)"
+
+    @property
+    def booster(self) -> Any:
+        raise NotImplementedError("celery_prio.boost supports Redis and RabbitMQ")
+
+    def remember_publishes(self, settings: PrioSettings) -> None:
+        """Called by ``install()``: keep what a boost from this process needs (RabbitMQ)."""
+
     def bulk_session(
         self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, subqueue: str | None = None
     ) -> BulkSession:
@@ -163,6 +177,12 @@ class RedisPublishing(Publishing):
 
         return RedisContinuations()
 
+    @functools.cached_property
+    def booster(self) -> Any:
+        from .redis_boost import RedisBooster
+
+        return RedisBooster(self.continuations)
+
     def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
@@ -216,6 +236,27 @@ class AmqpPublishing(Publishing):
         from .continuations import AmqpContinuations
 
         return AmqpContinuations()
+
+    boost_not_found = (
+        "not among the tasks this process published lately: on RabbitMQ a task is boosted from the process "
+        "that published it (prio_boost_memory), or it runs without task_track_started"
+    )
+
+    @functools.cached_property
+    def booster(self) -> Any:
+        from .amqp_boost import AmqpBooster
+
+        return AmqpBooster()
+
+    def remember_publishes(self, settings: PrioSettings) -> None:
+        """Keep this process's recent batch/offline messages: what a boost here republishes."""
+        from celery import signals
+
+        from .amqp_boost import recent_publishes
+
+        recent_publishes.watch(settings)
+        signals.before_task_publish.connect(recent_publishes.before_publish, weak=False, dispatch_uid="prio.recent")
+        signals.after_task_publish.connect(recent_publishes.after_publish, weak=False, dispatch_uid="prio.recent")
 
     def check(self, settings: PrioSettings) -> None:
         tier = Tier.BATCH  # the only tier that both receives promotions and can age

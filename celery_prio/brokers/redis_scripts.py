@@ -260,3 +260,76 @@ if evicted > 0 then redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[3], evicte
 return {accepted, n}
 """
 )
+
+#: Elements one boost look reads at most, so Redis is never held long: about
+#: 10-25 ms on this project's reference box (a boost looks again until done).
+BOOST_SCAN_BUDGET = 10_000
+
+#: Find the task with id ARGV[1] in the lists KEYS, newest end first (a task
+#: someone waits on was usually published lately), reading at most ARGV[2]
+#: elements from list ARGV[3] (1-based), offset ARGV[4] on. Read-only. A
+#: substring test finds candidates; the id is confirmed in the parsed headers
+#: (a child's message carries its parent's id as ``parent_id``).
+#: Returns {list, offset, element} when found, {0, list, offset} where the
+#: budget ended (look again from there), or nil when it is in none of them.
+BOOST_FIND = """
+local id = ARGV[1]
+local budget = tonumber(ARGV[2])
+local offset = tonumber(ARGV[4])
+local chunk = 1000
+for i = tonumber(ARGV[3]), #KEYS do
+  while true do
+    if budget <= 0 then return {0, i, offset} end
+    local n = math.min(chunk, budget)
+    local elems = redis.call('LRANGE', KEYS[i], offset, offset + n - 1)
+    if #elems == 0 then break end
+    for j = 1, #elems do
+      if string.find(elems[j], id, 1, true) then
+        local ok, msg = pcall(cjson.decode, elems[j])
+        if ok and type(msg) == 'table' and type(msg['headers']) == 'table' and msg['headers']['id'] == id then
+          return {i, offset + j - 1, elems[j]}
+        end
+      end
+    end
+    budget = budget - #elems
+    offset = offset + #elems
+    if #elems < n then break end
+  end
+  offset = 0
+end
+return nil
+"""
+
+#: Lift one element: remove it from its list and add its rewritten copy to
+#: the destination, only if it is still there (a worker may have taken it,
+#: aging moved it, another boost lifted it). Lossless: nothing is removed
+#: unless the destination is a list the copy can go to.
+#: KEYS: source list, destination list, stats hash. ARGV: element as found,
+#: rewritten element, source tier label. Returns 1 if moved, 0 if it was gone.
+BOOST_MOVE = """
+local kind = redis.call('TYPE', KEYS[2])['ok']
+if kind ~= 'list' and kind ~= 'none' then return redis.error_reply('boost destination is not a list') end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'boosted:' .. ARGV[3], 1)
+return 1
+"""
+
+#: Is the task with id ARGV[1] held by a worker (fetched, not acked: running
+#: with acks_late, reserved, or waiting for its ETA)? KEYS: kombu's unacked
+#: hash. Returns 1 or 0. Reads every in-flight entry: as many as the
+#: fleet's slots and ETA tasks, not the backlog.
+BOOST_HELD = """
+local id = ARGV[1]
+for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
+  if string.find(raw, id, 1, true) then
+    local ok, entry = pcall(cjson.decode, raw)
+    -- kombu's entry: [message, exchange, routing key]
+    local msg = ok and type(entry) == 'table' and entry[1]
+    if type(msg) == 'table' and type(msg['headers']) == 'table' and msg['headers']['id'] == id then
+      return 1
+    end
+  end
+end
+return 0
+"""

@@ -1,0 +1,179 @@
+"""Priority inheritance at run time: lift queued work that a higher tier now waits on.
+
+    celery_prio.boost(result_or_id, "realtime")   # -> Boost(outcome="boosted", ...)
+    celery_prio.wait(result, tier="realtime", timeout=5)
+
+``boost`` moves a task that is still queued, in any lower tier or sub-queue,
+into the front lane of ``tier`` (served before the tier's own queue), keeping
+its id and original enqueue stamp. It is idempotent and harmless for a task
+that already started, finished or is unknown: the returned :class:`Boost`
+says what happened. How each broker does it, and what it guarantees:
+``brokers/redis_boost.py`` (an atomic move, from any process) and
+``brokers/amqp_boost.py`` (a lifted copy, from the publishing process; the
+stale original is skipped by every worker).
+
+``wait`` boosts everything a result still waits on (the task, a group's
+members, a chord's header, a chain's earlier steps) to the waiter's tier,
+then waits for it, boosting what appears meanwhile. Tasks that a boosted task
+publishes run at least at its tier (``routing.py``), so a chain's later steps
+follow.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult, ResultBase, ResultSet
+from celery.utils.log import get_logger
+
+from .brokers.base import BOOST_OUTCOMES, Boost
+from .settings import settings_for
+from .slice_board import board
+from .tiers import Tier, parse_tier
+
+logger = get_logger(__name__)
+
+#: Seconds between two rounds of boosts while ``wait`` waits (new steps of a chain, late group members).
+WAIT_ROUND = 0.5
+
+#: Outcomes after which a task needs no further boost (``not_found`` ones are asked again each round).
+SETTLED = frozenset({"boosted", "already", "running", "finished"})
+
+
+def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
+    """Lift a queued task to ``tier`` (``"realtime"``, ``"p1"``, ``0`` ...); returns what happened.
+
+    ``result_or_id``: an ``AsyncResult`` or a task id (then ``app``, or the
+    current app, is the one that published it). Unknown tiers raise
+    ``ValueError``; a broker error propagates (nothing is lost either way).
+    """
+    tier = parse_tier(tier)
+    if isinstance(result_or_id, AsyncResult):
+        task_id, app = result_or_id.id, app or result_or_id.app
+    elif isinstance(result_or_id, str) and result_or_id:
+        task_id = result_or_id
+    else:
+        raise TypeError(f"celery_prio.boost() takes an AsyncResult or a task id, not {result_or_id!r}")
+    if app is None:
+        from celery import current_app
+
+        app = current_app._get_current_object()
+    publishing = getattr(app, "_celery_prio_publishing", None)
+    if publishing is None:
+        raise RuntimeError("celery_prio.boost() needs celery_prio.install(app) first")
+    settings = settings_for(app)
+    state = app.AsyncResult(task_id).state
+    if state in ("SUCCESS", "FAILURE", "REVOKED"):
+        return Boost("finished", task_id, tier, detail=state)
+    outcome = publishing.boost(app, settings, task_id, tier)
+    if outcome is not None:
+        return outcome
+    if state in ("STARTED", "RETRY"):
+        return Boost("running", task_id, tier, detail=state)
+    return Boost("not_found", task_id, tier, detail=publishing.boost_not_found)
+
+
+def waited_on(result: Any) -> list[AsyncResult]:
+    """Every task result ``result`` depends on: itself, group members, chord headers, chain parents."""
+    out: list[AsyncResult] = []
+    stack, seen = [result], set()
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, ResultSet):  # GroupResult too: a chord's header, a group
+            stack.extend(item.results)
+        elif isinstance(item, AsyncResult):
+            out.append(item)
+        if isinstance(item, ResultBase):
+            stack.append(getattr(item, "parent", None))
+    return out
+
+
+def wait(
+    result: Any,
+    timeout: float | None = None,
+    *,
+    tier: Any = None,
+    propagate: bool = True,
+    interval: float = WAIT_ROUND,
+    **get_options: Any,
+) -> Any:
+    """Boost what ``result`` waits on to the waiter's tier, then wait for it (``result.get``).
+
+    The waiter's tier is ``tier``, else the tier of the task running this
+    code (inside a worker). Inside a task it waits with
+    ``disable_sync_subtasks=False`` (that is the point). Raises Celery's
+    ``TimeoutError`` after ``timeout`` seconds, like ``get``.
+    """
+    if not isinstance(result, ResultBase):
+        raise TypeError(f"celery_prio.wait() takes a Celery result, not {result!r}")
+    app = result.app
+    inside = _running_task_tier(app)
+    waiter = parse_tier(tier) if tier is not None else inside
+    if waiter is None:
+        raise ValueError("celery_prio.wait(): outside a task, name the waiting tier (tier='realtime')")
+    if inside is not None or _inside_task():
+        get_options.setdefault("disable_sync_subtasks", False)
+    if inside is not None:  # this slot runs nothing while it waits: the worker may give its tier another
+        board().enter_wait(inside)
+    try:
+        return _wait(app, result, waiter, timeout, propagate, interval, get_options)
+    finally:
+        if inside is not None:
+            board().leave_wait(inside)
+
+
+def _wait(
+    app: Any, result: Any, waiter: Tier, timeout: float | None, propagate: bool, interval: float, get_options: dict
+) -> Any:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    settled: set[str] = set()
+    while True:
+        _boost_round(app, result, waiter, settled)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise CeleryTimeout("The operation timed out.")
+        try:
+            return result.get(
+                timeout=interval if left is None else min(interval, left), propagate=propagate, **get_options
+            )
+        except CeleryTimeout:
+            if left is not None and left <= interval:
+                raise
+
+
+def _boost_round(app: Any, result: Any, tier: Tier, settled: set[str]) -> None:
+    for dependency in waited_on(result):
+        if dependency.id in settled or dependency.ready():
+            continue
+        try:
+            outcome = boost(dependency, tier, app=app)
+        except Exception:  # a broker hiccup: waiting goes on, the next round tries again
+            logger.warning("celery-prio: could not boost %s", dependency.id, exc_info=True)
+            continue
+        if outcome.outcome in SETTLED:
+            settled.add(dependency.id)
+
+
+def _inside_task() -> bool:
+    from celery import current_task
+
+    task = current_task._get_current_object() if current_task else None
+    request = getattr(task, "request", None)
+    return task is not None and request is not None and not request.called_directly
+
+
+def _running_task_tier(app: Any) -> Tier | None:
+    from .inherit import parent_tier
+
+    settings = getattr(app, "_celery_prio_settings", None)
+    if settings is None:
+        return None
+    return parent_tier(settings, always=True)
+
+
+__all__ = ["BOOST_OUTCOMES", "Boost", "boost", "wait", "waited_on"]

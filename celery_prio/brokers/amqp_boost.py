@@ -1,0 +1,298 @@
+"""Boost on RabbitMQ: publish a lifted copy, and make every worker skip the stale original.
+
+A RabbitMQ queue gives up messages only from its head, so the queued
+original cannot be moved. Instead:
+
+1. The message comes from this process's memory of what it published
+   (:class:`RecentPublishes`, the last ``prio_boost_memory`` tasks bound for
+   batch or offline): **on RabbitMQ a task is boosted from the process that
+   published it** (the HTTP front door, the orchestrating process, the task
+   that spawned it). Elsewhere ``boost`` answers ``not_found``.
+2. The boost is written to the journal ``<prefix>.boosts`` (a stream, kept
+   24 h) with a publisher confirm.
+3. Every live worker must answer ``prio_supersede`` (a broadcast with
+   replies): each records "copies of this id below generation n are stale",
+   or answers that it holds the task now (then nothing is published and the
+   record is withdrawn, in the journal too). Live workers are counted
+   exactly: each consumes from ``<prefix>.fleet`` while its connection is up,
+   so the queue's consumer count is the fleet. A worker answers on the event
+   loop that also runs its fetches, so its answer is exact. If fewer answer
+   than are counted within ``prio_boost_timeout``, nothing is published
+   (``refused``).
+4. The copy (same id, generation n, the original enqueue stamp) goes to the
+   tier's front lane; a worker that fetches the stale original acks it
+   unrun (``superseded.py``).
+
+A worker that starts later joins the fleet before it fetches anything, then
+reads the journal up to a marker it appends itself: a boost written before
+the marker is in what it reads; one written after it counted this worker and
+waited for its answer. So every copy but the newest is skipped, by every
+worker, within the journal's 24 h.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import amqp
+from amqp.exceptions import NotFound
+
+from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
+from ..settings import PrioSettings
+from ..tiers import Tier
+from .base import Boost
+from .continuations import _aging_expiration
+from .redis_boost import boost_lane
+
+#: How long the journal keeps a boost (a stale original fetched later than this would run).
+JOURNAL_MAX_AGE = "24h"
+#: Seconds a starting worker waits for its own marker while reading the journal.
+JOURNAL_READ_TIMEOUT = 10.0
+
+
+def journal_name(settings: PrioSettings) -> str:
+    return f"{settings.queue_prefix}.boosts"
+
+
+def fleet_name(settings: PrioSettings) -> str:
+    return f"{settings.queue_prefix}.fleet"
+
+
+@dataclass
+class Published:
+    """One task message as this process published it (what a lifted copy is made of)."""
+
+    tier: Tier
+    queue: str
+    body: Any
+    headers: dict
+    properties: dict
+    generation: int = 0  # boosts so far
+
+
+class RecentPublishes:
+    """The last ``size`` batch/offline task messages this process published, by task id.
+
+    Filled from Celery's publish signals: ``before_task_publish`` notes the
+    message, ``after_task_publish`` (the broker took it) keeps it.
+    """
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._settings: list[PrioSettings] = []
+        self._entries: OrderedDict[str, Published] = OrderedDict()
+        self._pending = threading.local()
+        self.lock = threading.Lock()
+
+    def watch(self, settings: PrioSettings) -> None:
+        self.size = max(self.size, settings.boost_memory)
+        if all(s.queue_prefix != settings.queue_prefix for s in self._settings):
+            self._settings.append(settings)
+
+    def _tier(self, queue: Any) -> Tier | None:
+        if not isinstance(queue, str):
+            return None
+        for settings in self._settings:
+            tier = settings.tier_for_queue(queue)
+            if tier is not None:
+                return tier
+        return None
+
+    def before_publish(self, body: Any = None, routing_key: Any = None, headers: Any = None, **kw: Any) -> None:
+        tier = self._tier(routing_key) if self.size else None
+        if tier is None or tier is Tier.REALTIME or not isinstance(headers, dict):
+            self._pending.value = None
+            return
+        self._pending.value = Published(tier, routing_key, body, headers, dict(kw.get("properties") or {}))
+
+    def after_publish(self, headers: Any = None, **_: Any) -> None:
+        pending = getattr(self._pending, "value", None)
+        self._pending.value = None
+        if pending is None or pending.headers is not headers or not isinstance(headers.get("id"), str):
+            return
+        with self.lock:
+            self._entries[headers["id"]] = pending
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def get(self, task_id: str) -> Published | None:
+        with self.lock:
+            return self._entries.get(task_id)
+
+
+#: This process's memory (publish signals are process-wide).
+recent_publishes = RecentPublishes()
+
+
+class _AllAnswered(Exception):
+    """Raised from the reply callback to stop collecting once every counted worker answered."""
+
+
+class AmqpBooster:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one boost at a time: concurrent boosts of one id publish one copy
+
+    def lift(self, app: Any, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
+        published = recent_publishes.get(task_id)
+        if published is None:
+            return None
+        lane = boost_lane(settings, tier)
+        with self._lock, app.connection_for_write() as conn:
+            if published.tier <= tier:
+                return Boost("already", task_id, tier, published.tier, detail="published or boosted at this tier")
+            generation = published.generation + 1
+            channel = conn.channel()
+            write_journal(channel, settings, task_id, generation)
+            answers = self._ask_fleet(app, channel, settings, task_id, generation)
+            if answers is None or any(a.get("held") for a in answers):
+                self._withdraw(app, channel, settings, task_id, generation)
+                if answers is None:
+                    detail = "no worker is up, or not every worker answered within prio_boost_timeout"
+                    return Boost("refused", task_id, tier, published.tier, detail=detail)
+                return Boost("running", task_id, tier, published.tier, detail="a worker holds it")
+            headers = dict(published.headers)
+            history = headers.get(BOOSTED_HEADER)
+            headers[BOOSTED_HEADER] = [*(history if isinstance(history, list) else []), published.tier.label]
+            headers[BOOST_GENERATION_HEADER] = {"gen": generation}
+            properties = {**published.properties, **_aging_expiration(settings, tier, headers.get(ENQUEUED_HEADER))}
+            try:
+                with app.producer_or_acquire() as producer:
+                    producer.publish(
+                        published.body,
+                        exchange="",
+                        routing_key=lane,
+                        headers=headers,
+                        serializer=app.conf.task_serializer or "json",
+                        delivery_mode=2,
+                        retry=True,
+                        declare=[],  # the lane exists: declared with the tier queues, before this task was published
+                        **properties,
+                    )
+            except Exception:
+                self._withdraw(app, channel, settings, task_id, generation)
+                raise
+            from_tier = published.tier
+            published.tier, published.generation = tier, generation
+            return Boost("boosted", task_id, tier, from_tier, published.queue)
+
+    def _ask_fleet(
+        self, app: Any, channel: Any, settings: PrioSettings, task_id: str, generation: int
+    ) -> list[dict] | None:
+        """Every live worker's answer to ``prio_supersede``; None when there is none, or one did not answer."""
+        expected = fleet_size(channel, settings)
+        if expected == 0:
+            return None  # nobody to skip the original: the first worker to start would run both copies
+        answers: list[dict] = []
+
+        def on_reply(reply: Any) -> None:
+            for answer in reply.values() if isinstance(reply, dict) else ():
+                # Every Celery worker on the vhost hears the broadcast; only this app's prio workers count.
+                if isinstance(answer, dict) and answer.get("prefix") == settings.queue_prefix:
+                    answers.append(answer)
+            if len(answers) >= expected:
+                raise _AllAnswered
+
+        try:
+            app.control.broadcast(
+                "prio_supersede",
+                arguments={"task_id": task_id, "generation": generation},
+                reply=True,
+                timeout=settings.boost_timeout,
+                callback=on_reply,
+            )
+        except _AllAnswered:
+            pass
+        return answers if len(answers) >= expected else None
+
+    @staticmethod
+    def _withdraw(app: Any, channel: Any, settings: PrioSettings, task_id: str, generation: int) -> None:
+        write_journal(channel, settings, task_id, generation, withdrawn=True)
+        app.control.broadcast(
+            "prio_supersede", arguments={"task_id": task_id, "generation": generation, "retract": True}
+        )
+
+
+def declare_journal(channel: Any, settings: PrioSettings) -> None:
+    channel.queue_declare(
+        queue=journal_name(settings),
+        durable=True,
+        auto_delete=False,
+        arguments={"x-queue-type": "stream", "x-max-age": JOURNAL_MAX_AGE},
+    )
+
+
+def write_journal(channel: Any, settings: PrioSettings, task_id: str, generation: int, withdrawn: bool = False) -> None:
+    """Append one boost (or its withdrawal) to the journal, confirmed by the broker before returning."""
+    declare_journal(channel, settings)
+    record = {"id": task_id, "gen": generation, "at": time.time(), "withdrawn": withdrawn}
+    channel.basic_publish_confirm(
+        amqp.Message(b"", application_headers=record, delivery_mode=2), exchange="", routing_key=journal_name(settings)
+    )
+
+
+def fleet_size(channel: Any, settings: PrioSettings) -> int:
+    """How many of this app's workers are up now: the consumers of ``<prefix>.fleet`` (exact, no cache)."""
+    probe = channel.connection.channel()  # a passive declare of a missing queue closes its channel
+    try:
+        return int(probe.queue_declare(queue=fleet_name(settings), passive=True).consumer_count)
+    except NotFound:  # no worker ever joined
+        return 0
+    finally:
+        if probe.is_open:
+            probe.close()
+
+
+def join_fleet(channel: Any, settings: PrioSettings) -> None:
+    """Count this worker in the fleet for as long as ``channel``'s connection is up."""
+    channel.queue_declare(queue=fleet_name(settings), durable=True, auto_delete=False)
+    channel.basic_consume(queue=fleet_name(settings), no_ack=True, callback=lambda message: None)
+
+
+def read_journal(connection: Any, settings: PrioSettings) -> list[list[Any]]:
+    """Every boost in the journal, as ``Superseded.merge`` takes them (withdrawals applied).
+
+    Reads up to a marker appended here, so nothing written before the call is
+    missed. ``connection`` is a py-amqp connection of its own (this drains its events).
+    """
+    channel = connection.channel()
+    try:
+        declare_journal(channel, settings)
+        marker = uuid.uuid4().hex
+        channel.basic_publish_confirm(
+            amqp.Message(b"", application_headers={"marker": marker}), exchange="", routing_key=journal_name(settings)
+        )
+        records: OrderedDict[str, list[Any]] = OrderedDict()
+        done = []
+
+        def on_record(message: Any) -> None:
+            headers = message.headers or {}
+            channel.basic_ack(message.delivery_tag)
+            if headers.get("marker") == marker:
+                done.append(True)
+                return
+            task_id, gen = headers.get("id"), headers.get("gen")
+            if not isinstance(task_id, str) or not isinstance(gen, int):
+                return  # not a boost record: anyone can publish here
+            if headers.get("withdrawn"):
+                if records.get(task_id, [None, None])[1] == gen:
+                    del records[task_id]
+            else:
+                records[task_id] = [task_id, gen, headers.get("at")]
+
+        channel.basic_qos(0, 1000, False)
+        channel.basic_consume(journal_name(settings), callback=on_record, arguments={"x-stream-offset": "first"})
+        deadline = time.monotonic() + JOURNAL_READ_TIMEOUT
+        while not done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"celery-prio: could not read {journal_name(settings)} to its end")
+            connection.drain_events(timeout=left)
+        return list(records.values())
+    finally:
+        if channel.is_open:
+            channel.close()

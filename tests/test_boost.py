@@ -1,0 +1,236 @@
+"""Priority inheritance at run time (issue 14): ``celery_prio.boost`` and ``celery_prio.wait``.
+
+Real brokers and real workers. The backlog tasks sleep, so the figures are
+wall-clock waits; each test counts executions from the workers' own log.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from celery import chain
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult, GroupResult
+
+import celery_prio
+from celery_prio.boost import waited_on
+from celery_prio.brokers.amqp import FLEET_JOINED
+from celery_prio.control import collect_prio_stats
+from celery_prio.superseded import Superseded, generation_of
+from celery_prio.tiers import Tier
+from tests.test_inherit import queues, tier_of
+
+
+def start_worker(env, **kwargs):
+    """A worker that boosts can count on: on RabbitMQ, once it joined the fleet (before its first fetch)."""
+    worker = env.start_worker(**kwargs)
+    if env.kind == "amqp":
+        env.wait_for(lambda: FLEET_JOINED in worker.log(), timeout=20, what="the worker to join the fleet")
+    return worker
+
+
+def runs(env, tag: str) -> int:
+    return sum(1 for x in env.log() if x["kind"] == "start" and x["tag"] == tag)
+
+
+def backlog(env, n: int, seconds: float, tier: str = "offline") -> None:
+    celery_prio.bulk(env.app.tasks["t.sleep"], ((f"b{i}", seconds) for i in range(n)), tier=tier)
+
+
+def stale_skipped(env) -> int:
+    return sum(r.get("stale_skipped", 0) for r in collect_prio_stats(env.app, timeout=1.0).values())
+
+
+# -- pure --------------------------------------------------------------------------------------------------------
+def test_superseded_records_say_which_copies_are_stale():
+    s = Superseded(keep_for=100, max_records=3)
+    s.record("a", 1, now=0)
+    assert s.is_stale("a", 0) and not s.is_stale("a", 1) and not s.is_stale("b", 0)
+    s.record("a", 1, now=1)  # the same boost told twice: one record
+    s.record("a", 0, now=1)  # not a boost
+    assert len(s) == 1
+    s.retract("a", 2)  # another generation's withdrawal leaves it
+    assert s.is_stale("a", 0)
+    s.retract("a", 1)
+    assert not s.is_stale("a", 0)
+    for i in range(5):
+        s.record(f"t{i}", 1, now=10 + i)
+    assert len(s) == 3 and not s.is_stale("t0", 0) and s.is_stale("t4", 0)  # bounded: oldest dropped
+    s.record("late", 1, now=200)
+    assert [row[0] for row in s.snapshot(now=200)] == ["late"]  # older than keep_for: expired
+    fresh = Superseded()
+    junk = [["ok", 2, 199.0], "x", ["bad", "gen", 1.0], ["future", 1, 1e12], [3, 1, 1.0], ["ok2", 1, True]]
+    assert fresh.merge(junk, now=200) == 1 and fresh.is_stale("ok", 1) and len(fresh) == 1
+    assert generation_of({"gen": 2}) == 2
+    assert generation_of(None) == generation_of({"gen": True}) == generation_of({"gen": -1}) == 0
+
+
+def test_waited_on_walks_groups_chords_and_chains(redis_env):
+    app = redis_env.app
+    header = GroupResult("g", [AsyncResult("h1", app=app), AsyncResult("h2", app=app)], app=app)
+    body = AsyncResult("body", parent=header, app=app)  # what chord(...).apply_async() returns
+    step1 = AsyncResult("s1", app=app)
+    last = AsyncResult("s2", parent=step1, app=app)  # a chain's last step
+    assert {r.id for r in waited_on(body)} == {"body", "h1", "h2"}
+    assert {r.id for r in waited_on(last)} == {"s1", "s2"}
+    assert {r.id for r in waited_on(GroupResult("g2", [body, last], app=app))} == {"body", "h1", "h2", "s1", "s2"}
+
+
+def test_bad_calls_say_what_is_wrong(redis_env):
+    app = redis_env.app
+    with pytest.raises(ValueError, match="valid tiers"):
+        celery_prio.boost("some-id", "urgent", app=app)
+    with pytest.raises(TypeError, match="AsyncResult or a task id"):
+        celery_prio.boost(42, "realtime", app=app)
+    with pytest.raises(ValueError, match="name the waiting tier"):
+        celery_prio.wait(AsyncResult("x", app=app), timeout=0.1)
+
+
+# -- real workers, both brokers ---------------------------------------------------------------------------------
+def test_a_realtime_caller_waiting_on_offline_work_gets_it_in_seconds_not_the_backlog(env):
+    """500 offline tasks of 100 ms ahead; the caller waits on one at the back."""
+    start_worker(env, concurrency=4)
+    sleep = env.app.tasks["t.sleep"]
+    backlog(env, 500, 0.1)
+    plain = sleep.apply_async(("plain", 0.1), tier="offline")
+    target = sleep.apply_async(("target", 0.1), tier="offline")
+    with pytest.raises(CeleryTimeout):
+        plain.get(timeout=3)  # without inheritance: it waits behind the backlog (about 17 s on 3 slots)
+    t0 = time.monotonic()
+    assert celery_prio.wait(target, tier="realtime", timeout=10) == "target"
+    waited = time.monotonic() - t0
+    assert waited < 3.0, waited
+    assert env.depth(Tier.OFFLINE) > 300  # it jumped the backlog; the backlog did not drain first
+    env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0 and plain.ready(), timeout=60, what="the backlog to drain")
+    time.sleep(0.5)
+    assert runs(env, "target") == 1 and runs(env, "plain") == 1
+    if env.kind == "amqp":  # the original stayed in its queue: acked unrun when its turn came
+        assert stale_skipped(env) == 1
+
+
+def test_boost_of_running_finished_unknown_and_queued_tasks_says_what_happened(env):
+    start_worker(env, concurrency=2)
+    app = env.app
+    unknown = celery_prio.boost("no-such-task", "realtime", app=app)
+    assert unknown.outcome == "not_found" and unknown.detail
+    running = app.tasks["t.slow_late"].apply_async(("long", 3.0))  # acks_late, offline
+    env.wait_for(lambda: runs(env, "long") == 1, what="the long task to start")
+    assert celery_prio.boost(running, "realtime").outcome == "running"
+    assert running.get(timeout=10) == "long"
+    assert celery_prio.boost(running, "realtime").outcome == "finished"
+    assert runs(env, "long") == 1
+    backlog(env, 2, 4.0)  # holds the one slot batch and offline may use (the other is kept for realtime)
+    env.wait_for(lambda: runs(env, "b0") == 1, what="the backlog to hold the slot")
+    queued = app.tasks["t.sleep"].apply_async(("queued", 0.1), tier="offline")
+    first = celery_prio.boost(queued, "batch")
+    assert first.outcome == "boosted" and first.from_tier is Tier.OFFLINE and first.tier is Tier.BATCH
+    assert celery_prio.boost(queued, "batch").outcome == "already"  # idempotent: it waits in batch's front lane
+    assert celery_prio.boost(queued, "offline").outcome == "already"
+    assert celery_prio.boost(queued.id, "p0", app=app).outcome == "boosted"  # and higher again: the reserved slot
+    assert queued.get(timeout=3) == "queued"
+    assert celery_prio.boost(queued.id, "realtime", app=app).outcome == "finished"
+    assert runs(env, "queued") == 1
+
+
+def test_concurrent_boosts_of_one_task_lift_it_once(env):
+    start_worker(env, concurrency=2)
+    backlog(env, 100, 0.1)
+    target = env.app.tasks["t.sleep"].apply_async(("target", 0.1), tier="offline")
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def boost() -> None:
+        barrier.wait()
+        outcomes.append(celery_prio.boost(target, "realtime").outcome)
+
+    threads = [threading.Thread(target=boost) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert outcomes.count("boosted") == 1, outcomes
+    assert set(outcomes) <= {"boosted", "already", "running", "finished"}, outcomes
+    assert target.get(timeout=10) == "target"
+    env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0, timeout=60, what="the backlog to drain")
+    time.sleep(0.5)
+    assert runs(env, "target") == 1
+
+
+def test_a_waited_chain_runs_at_the_waiters_tier_step_after_step(env):
+    """The first step is lifted; the step its worker publishes next follows it (a boosted task's children)."""
+    start_worker(env, concurrency=2)
+    backlog(env, 200, 0.1)
+    where = env.app.tasks["t.where"]
+    result = chain(where.si(tag="c1").set(tier="offline"), where.si(tag="c2").set(tier="offline")).apply_async()
+    t0 = time.monotonic()
+    assert celery_prio.wait(result, tier="realtime", timeout=10) == "c2"
+    assert time.monotonic() - t0 < 4.0
+    ran = queues(env)
+    assert tier_of(env, ran["c1"]) == "realtime" and tier_of(env, ran["c2"]) == "realtime", ran
+
+
+def test_wait_inside_a_running_realtime_task(env):
+    """A realtime task that needs an offline result: the dependency is lifted to the waiting task's tier."""
+    start_worker(env, concurrency=3)
+    backlog(env, 200, 0.1)
+    # The task publishes the offline dependency itself (on RabbitMQ the publishing process boosts).
+    t0 = time.monotonic()
+    assert env.app.tasks["t.rt_spawn_and_wait"].delay("dep", 0.1, 10).get(timeout=15) == "dep"
+    assert time.monotonic() - t0 < 4.0
+    if env.kind == "redis":  # any process can boost on Redis: here the dependency comes from the test process
+        dependency = env.app.tasks["t.sleep"].apply_async(("dep2", 0.1), tier="offline")
+        t0 = time.monotonic()
+        assert env.app.tasks["t.rt_waits"].delay(dependency.id, 10).get(timeout=15) == "dep2"
+        assert time.monotonic() - t0 < 4.0
+
+
+def test_rabbitmq_a_worker_that_starts_after_a_boost_skips_the_stale_original(amqp_env):
+    """The boost journal: the worker that saw the boost is gone; the next one still skips the original."""
+    env = amqp_env
+    first = start_worker(env, concurrency=2)
+    backlog(env, 30, 0.1)
+    target = env.app.tasks["t.sleep"].apply_async(("target", 0.1), tier="offline")
+    assert celery_prio.boost(target, "realtime").outcome == "boosted"
+    assert target.get(timeout=10) == "target"
+    first.kill()
+    second = start_worker(env, concurrency=2)
+    assert "1 earlier boost(s) read" in second.log()
+    env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0, timeout=60, what="the backlog to drain")
+    time.sleep(0.5)
+    assert runs(env, "target") == 1
+    assert stale_skipped(env) == 1
+
+
+def test_rabbitmq_a_boost_with_no_worker_up_is_refused_and_nothing_changes(amqp_env):
+    env = amqp_env
+    target = env.app.tasks["t.sleep"].apply_async(("target", 0.05), tier="offline")
+    outcome = celery_prio.boost(target, "realtime")
+    assert outcome.outcome == "refused" and "no worker" in outcome.detail
+    start_worker(env, concurrency=2)
+    assert target.get(timeout=10) == "target"  # the journal's withdrawn record does not make it stale
+    time.sleep(0.5)
+    assert runs(env, "target") == 1
+
+
+def test_boost_figures_and_the_prio_boost_command(redis_env):
+    env = redis_env
+    start_worker(env, concurrency=2)
+    backlog(env, 50, 0.1)
+    queued = env.app.tasks["t.sleep"].apply_async(("target", 0.05), tier="offline")
+    out = env.prio_cli("boost", queued.id, "--tier", "realtime")
+    assert out.strip() == f"{queued.id}: boosted from offline -> realtime", out
+    assert queued.get(timeout=10) == "target"
+
+    def reported() -> bool:
+        reports = list(collect_prio_stats(env.app).values())
+        return any(
+            r["tiers"]["realtime"]["boosted_seen"] == 1 and r["tiers"]["offline"]["boosted"] == 1 for r in reports
+        )
+
+    # Seen by the worker that ran it (both brokers), and counted broker-wide out of offline (Redis).
+    env.wait_for(reported, what="the worker to report the boosted task")
+    status = json.loads(env.prio_cli("status", "--json"))
+    assert status["tiers"]["offline"]["boosted"] == 1 and status["tiers"]["realtime"]["boosted_seen"] == 1
