@@ -64,15 +64,26 @@ def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
     if publishing is None:
         raise RuntimeError("celery_prio.boost() needs celery_prio.install(app) first")
     settings = settings_for(app)
-    state = app.AsyncResult(task_id).state
+    state = _state(app, task_id)
     if state in ("SUCCESS", "FAILURE", "REVOKED"):
         return Boost("finished", task_id, tier, detail=state)
     outcome = publishing.boost(app, settings, task_id, tier)
     if outcome is not None:
         return outcome
+    state = _state(app, task_id)  # it may have left its queue and run while the boost looked
+    if state in ("SUCCESS", "FAILURE", "REVOKED"):
+        return Boost("finished", task_id, tier, detail=state)
     if state in ("STARTED", "RETRY"):
         return Boost("running", task_id, tier, detail=state)
     return Boost("not_found", task_id, tier, detail=publishing.boost_not_found)
+
+
+def _state(app: Any, task_id: str) -> str | None:
+    """The task's state in the result backend; None for an app that keeps no results."""
+    try:
+        return app.AsyncResult(task_id).state
+    except NotImplementedError:  # DisabledBackend: no result_backend configured
+        return None
 
 
 def waited_on(result: Any) -> list[AsyncResult]:

@@ -4,13 +4,13 @@ A RabbitMQ queue cannot give up a message from its middle, so a boost there
 publishes a lifted copy of the task (same id, generation n) and the
 original stays where it was. Before the copy is published, every live
 worker is told (``prio_supersede``, a broadcast with replies) and records
-``id -> n`` here; workers that start later get the records from their peers
-when they start (Celery's mingle, like revoked ids). A worker that fetches a
-copy of ``id`` with a generation below the recorded one acks it without
-running it.
+``id -> n`` here; a worker that starts later reads the records from the
+boost journal before its first fetch (``brokers/amqp_boost.py``). A worker
+that fetches a copy of ``id`` with a generation below the recorded one acks
+it without running it.
 
-Records are kept :data:`KEEP_FOR` seconds and at most :data:`MAX_RECORDS`
-(oldest dropped first), like Celery keeps revoked ids.
+Records are kept :data:`KEEP_FOR` seconds (the journal's retention) and at
+most :data:`MAX_RECORDS` (oldest dropped first), as Celery keeps revoked ids.
 """
 
 from __future__ import annotations

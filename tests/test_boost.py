@@ -104,7 +104,7 @@ def test_a_realtime_caller_waiting_on_offline_work_gets_it_in_seconds_not_the_ba
     waited = time.monotonic() - t0
     assert waited < 3.0, waited
     assert env.depth(Tier.OFFLINE) > 300  # it jumped the backlog; the backlog did not drain first
-    env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0 and plain.ready(), timeout=60, what="the backlog to drain")
+    env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0 and plain.ready(), timeout=150, what="the backlog to drain")
     time.sleep(0.5)
     assert runs(env, "target") == 1 and runs(env, "plain") == 1
     if env.kind == "amqp":  # the original stayed in its queue: acked unrun when its turn came
@@ -138,6 +138,9 @@ def test_boost_of_running_finished_unknown_and_queued_tasks_says_what_happened(e
 def test_concurrent_boosts_of_one_task_lift_it_once(env):
     start_worker(env, concurrency=2)
     backlog(env, 100, 0.1)
+    for i in range(2):  # both slots busy: the lifted task waits in the front lane while the boosts race
+        env.app.tasks["t.rt_sleep"].delay(f"hold{i}", 2.0)
+    env.wait_for(lambda: runs(env, "hold0") + runs(env, "hold1") == 2, what="realtime to hold both slots")
     target = env.app.tasks["t.sleep"].apply_async(("target", 0.1), tier="offline")
     outcomes: list[str] = []
     barrier = threading.Barrier(8)
@@ -151,8 +154,7 @@ def test_concurrent_boosts_of_one_task_lift_it_once(env):
         t.start()
     for t in threads:
         t.join(30)
-    assert outcomes.count("boosted") == 1, outcomes
-    assert set(outcomes) <= {"boosted", "already", "running", "finished"}, outcomes
+    assert sorted(outcomes) == ["already"] * 7 + ["boosted"], outcomes
     assert target.get(timeout=10) == "target"
     env.wait_for(lambda: env.depth(Tier.OFFLINE) == 0, timeout=60, what="the backlog to drain")
     time.sleep(0.5)

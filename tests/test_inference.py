@@ -163,6 +163,27 @@ def test_http_front_door(tasks_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_http_waiting_on_a_batch_job_lifts_it_to_realtime(tasks_env):
+    """A job submitted with 202 behind a batch backlog; a caller now waits on it: it runs next, not last."""
+    from celery_prio import bulk
+
+    x, y = images(4)
+    many, _ = images(64)
+    client = TestClient(create_api(tasks_env.app, deadline_s=30))
+    backlog = bulk(tasks_env.app.tasks["tasks.inference.classify_batch"], ([many] for _ in range(300)), tier="batch")
+    job = client.post("/v1/classify_batch", json={"images": x}).json()["task_id"]  # behind 300 batch jobs
+    assert client.get(f"/v1/tasks/{job}/result", params={"timeout": 0}).status_code == 422
+    assert client.get(f"/v1/tasks/{job}/result", params={"timeout": "nan"}).status_code == 422
+    tasks_env.start_worker(concurrency=2)
+    t0 = time.monotonic()
+    done = client.get(f"/v1/tasks/{job}/result", params={"timeout": 20})
+    waited = time.monotonic() - t0
+    assert done.status_code == 200 and [r["label"] for r in done.json()["result"]] == y, done.json()
+    left = sum(1 for task_id in backlog if not tasks_env.app.AsyncResult(task_id).ready())
+    assert left > 200, (left, waited)  # most of the backlog is still waiting: the job did not wait for it
+
+
+@pytest.mark.slow
 def test_http_429_when_the_realtime_tier_is_full(tmp_path):
     need_broker("redis")
     env = TasksEnv(tmp_path, max_length={"realtime": 5})

@@ -159,6 +159,19 @@ def test_a_tier_gets_one_slot_until_its_run_time_is_known():
         s.dispatched(O)
 
 
+def test_a_task_blocked_waiting_does_not_hold_its_tiers_cold_start_slot():
+    """A realtime task waiting on a dependency lifted into realtime: the dependency must get a slot."""
+    s = TierScheduler(W821, concurrency=4, reserve=0, served=frozenset({R}))
+    s.dispatched(R)  # the waiter, run time unknown
+    assert s.order() == []
+    s.blocked = {R: 1}  # it entered celery_prio.wait
+    assert s.order() == [R]
+    s.dispatched(R)  # its dependency
+    assert s.order() == []  # still one unknown-length task that runs
+    s.blocked = {}
+    assert s.order() == []
+
+
 def test_reserve_keeps_last_slots_for_realtime():
     s = TierScheduler(W821, concurrency=4, reserve=1, mode="time", min_share=0, estimates=KNOWN)
     for _ in range(3):

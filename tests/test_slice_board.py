@@ -58,3 +58,15 @@ def test_a_forked_child_shares_the_board():
     assert board.yields()[O] == 1
     assert board.yielded_for() is B
     assert board.active_tiers(since=100.0) == [O]
+
+
+def test_tasks_blocked_in_wait_are_counted_per_tier_and_survive_other_writes():
+    board = SliceBoard()
+    board.enter_wait(R)
+    board.enter_wait(R)
+    board.set_preemptors({B: {R}})  # the slice fields of a tier do not overwrite its waiting count
+    board.ask(R, 1.0)
+    board.leave_wait(R)
+    assert board.waiting() == {R: 1, B: 0, O: 0}
+    board.leave_wait(B)  # never below zero
+    assert board.waiting()[B] == 0

@@ -6,6 +6,8 @@ POST /v1/classify        {"image": 8x8}   -> 200 {"label", "probabilities"}; wai
 POST /v1/classify_batch  {"images": [...]} -> 202 {"task_id"}
 POST /v1/evaluate        {}               -> 202 {"task_id"}
 GET  /v1/tasks/{id}                       -> {"state", "result" | "error"}
+GET  /v1/tasks/{id}/result?timeout=2      -> 200 {"state", "result" | "error"}: someone waits on it now,
+                                             so the job is lifted to realtime (celery_prio.wait); 504 at timeout
 
 A full realtime tier answers 429 with Retry-After, so callers can degrade
 instead of queueing; a missed deadline answers 504 (and revokes the task);
@@ -24,11 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+import celery_prio
 from celery_prio import QueueFull
 
 from .checks import check_batch, check_image
 
 DEADLINE_S = float(os.environ.get("HTTP_DEADLINE_S", "2.0"))
+MAX_WAIT_S = 60.0  # longest a caller may hold a request open waiting on a job
 
 
 def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -99,15 +103,29 @@ def create_api(celery_app: Celery | None = None, deadline_s: float = DEADLINE_S)
     async def evaluate(request: Request):
         return await submit(request, None, "tasks.inference.evaluate", "offline", None)
 
-    @api.get("/v1/tasks/{task_id}")
-    async def task_state(task_id: str):
-        result = celery_app.AsyncResult(task_id)
+    def described(result: Any) -> dict[str, Any]:
         state = result.state
         if state == "SUCCESS":
-            return {"task_id": task_id, "state": state, "result": result.result}
+            return {"task_id": result.id, "state": state, "result": result.result}
         if state == "FAILURE":
-            return {"task_id": task_id, "state": state, "error": repr(result.result)}
-        return {"task_id": task_id, "state": state}
+            return {"task_id": result.id, "state": state, "error": repr(result.result)}
+        return {"task_id": result.id, "state": state}
+
+    @api.get("/v1/tasks/{task_id}")
+    async def task_state(task_id: str):
+        return described(celery_app.AsyncResult(task_id))
+
+    @api.get("/v1/tasks/{task_id}/result")
+    async def task_result(task_id: str, timeout: float = deadline_s):
+        """A caller waits on a batch or offline job now: lift it to realtime, then wait (priority inheritance)."""
+        if not math.isfinite(timeout) or not 0 < timeout <= MAX_WAIT_S:
+            return _error(422, f"timeout must be a number of seconds in (0, {MAX_WAIT_S:g}], got {timeout!r}")
+        result = celery_app.AsyncResult(task_id)
+        try:
+            await run_in_threadpool(celery_prio.wait, result, timeout, tier="realtime", propagate=False)
+        except CeleryTimeout:
+            return _error(504, f"no result within {timeout:g} s (the job was lifted to realtime; ask again)")
+        return described(result)
 
     return api
 
