@@ -80,10 +80,11 @@ def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
 
 def _state(app: Any, task_id: str) -> str | None:
     """The task's state in the result backend; None for an app that keeps no results."""
-    try:
-        return app.AsyncResult(task_id).state
-    except NotImplementedError:  # DisabledBackend: no result_backend configured
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(app.backend, DisabledBackend):  # no result_backend configured
         return None
+    return app.AsyncResult(task_id).state
 
 
 def waited_on(result: Any) -> list[AsyncResult]:

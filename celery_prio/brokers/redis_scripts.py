@@ -262,7 +262,7 @@ return {accepted, n}
 )
 
 #: Elements one boost look reads at most, so Redis is never held long: about
-#: 10-25 ms on this project's reference box (a boost looks again until done).
+#: about 25 ms on this project's 2-core box (a boost looks again until done).
 BOOST_SCAN_BUDGET = 10_000
 
 #: Find the task with id ARGV[1] in the lists KEYS, newest end first (a task
