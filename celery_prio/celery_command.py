@@ -1,6 +1,8 @@
 """``celery -A app prio ...``: operations on the tier queues.
 
-celery -A app prio status [--json]          depth, dead letters and counters per tier
+celery -A app prio status [--json]          depth, dead letters, counters and demand (slots needed) per tier
+celery -A app prio exporter [--port 9809]   the same for Prometheus: celery_prio_demand_slots{tier} for autoscalers
+celery -A app prio boost ID [--tier T]      lift a queued task into a higher tier
 celery -A app prio dead list [--limit N]    evicted (drop_oldest) and malformed/unrunnable messages
 celery -A app prio dead requeue [--limit N] put them back (stops at a full tier; only to tier queues)
 celery -A app prio dead purge               delete them
@@ -16,11 +18,9 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .brokers import adapter_for
-from .control import collect_prio_stats
-from .report import WorkerReport, fmt
-from .scheduler import configured_shares
+from .fleet import cluster_status
+from .report import fmt
 from .settings import settings_for
-from .tiers import TIERS
 
 
 def _context(ctx):
@@ -34,71 +34,6 @@ def _context(ctx):
 @handle_preload_options
 def prio(ctx, **kwargs):
     """Operate celery-prio's tier queues."""
-
-
-def cluster_status(app, settings, adapter) -> dict:
-    """Per tier: broker depth, plus the workers' reports summed (inspect prio_stats)."""
-    replies = collect_prio_stats(app, timeout=1.0)
-    reports = {name: r for name, r in ((n, WorkerReport.from_dict(v)) for n, v in replies.items()) if r is not None}
-    total_busy = sum(t.busy_seconds for r in reports.values() for t in r.tiers.values())
-    served = [t for t in TIERS if any(r.tiers[t.label].queues for r in reports.values())] or list(TIERS)
-    configured = configured_shares(settings.weights, served)
-    rows = {}
-    for tier in TIERS:
-        per_worker = [r.tiers[tier.label] for r in reports.values()]
-
-        def worst(attr, rows_=per_worker):
-            values = [getattr(r, attr) for r in rows_ if getattr(r, attr) is not None]
-            return max(values) if values else None
-
-        busy = sum(r.busy_seconds for r in per_worker)
-        rows[tier.label] = {
-            "queue": settings.queue_name(tier),
-            "depth": adapter.tier_depth(settings, tier),
-            "max_length": settings.max_length[tier],
-            "workers": sum(1 for r in per_worker if r.queues),
-            "dispatched": sum(r.dispatched for r in per_worker),
-            "running": sum(r.running for r in per_worker),
-            "oldest_wait_s": worst("oldest_wait_s"),
-            "wait_p99_ms": worst("wait_p99_ms"),
-            "slot_time_share": round(busy / total_busy, 4) if total_busy else None,
-            "configured_share": round(configured[tier], 4),
-            # Broker-wide counters: every worker reports the same figure, so the largest (the freshest).
-            "promoted": worst("promoted"),
-            "boosted": worst("boosted"),
-            "boosted_seen": sum(r.boosted_seen for r in per_worker),
-            "rejected": worst("rejected"),
-            "dropped": worst("dropped"),
-            "dead_lettered": worst("dead_lettered"),
-            "yields": sum(r.yields for r in per_worker),
-            "slice_s": settings.slice[tier],
-        }
-    return {
-        "tiers": rows,
-        "subqueues": subqueue_rows(reports.values(), adapter),
-        "dead": adapter.depth(settings.dead_letter_queue),
-        "workers": sorted(reports),
-    }
-
-
-def subqueue_rows(reports, adapter) -> dict:
-    """The queues inside the tiers that the workers report (their busiest, and ``other``), summed over workers."""
-    rows: dict = {}
-    for report in reports:
-        for name, sub in report.subqueues.items():
-            row = rows.setdefault(name, {"tier": sub.tier, "dispatched": 0, "busy_seconds": 0.0, "wait_p99_ms": None})
-            row["dispatched"] += sub.dispatched
-            row["busy_seconds"] = round(row["busy_seconds"] + sub.busy_seconds, 3)
-            if sub.wait_p99_ms is not None:
-                row["wait_p99_ms"] = max(row["wait_p99_ms"] or 0.0, sub.wait_p99_ms)
-    tier_busy: dict = {}
-    for row in rows.values():
-        tier_busy[row["tier"]] = tier_busy.get(row["tier"], 0.0) + row["busy_seconds"]
-    for name, row in rows.items():
-        busy = tier_busy.get(row["tier"]) or 0.0
-        row["share_of_tier"] = round(row["busy_seconds"] / busy, 4) if busy else None
-        row["depth"] = None if name == "other" else adapter.depth(name)
-    return rows
 
 
 @prio.command(cls=CeleryCommand)
@@ -120,6 +55,7 @@ def status(ctx, as_json: bool, watch: float | None):
                 header = (
                     f"{'tier':<10}{'depth':>8}{'max':>9}{'workers':>9}{'dispatched':>12}{'running':>9}"
                     f"{'oldest s':>10}{'wait p99 ms':>13}{'share':>8}{'of':>7}{'yields':>8}{'boosted':>9}{'slice s':>9}"
+                    f"{'demand':>8}"
                 )
                 click.echo(header)
                 for label, r in data["tiers"].items():
@@ -128,7 +64,7 @@ def status(ctx, as_json: bool, watch: float | None):
                         f"{r['dispatched']:>12}{r['running']:>9}{fmt(r['oldest_wait_s'], '{:.1f}'):>10}"
                         f"{fmt(r['wait_p99_ms'], '{:.0f}'):>13}{fmt(r['slot_time_share'], '{:.2f}'):>8}"
                         f"{r['configured_share']:>7.2f}{r['yields']:>8}{boosted_figure(r):>9}"
-                        f"{fmt(r['slice_s'], '{:.2f}'):>9}"
+                        f"{fmt(r['slice_s'], '{:.2f}'):>9}{r['demand_slots']:>8}"
                     )
                 if data["subqueues"]:
                     click.echo(
@@ -153,6 +89,22 @@ def status(ctx, as_json: bool, watch: float | None):
 def boosted_figure(row: dict) -> str:
     """Tasks boosted out of the tier (Redis counts them broker-wide), else boosted ones the workers ran."""
     return str(row["boosted"] if row.get("boosted") is not None else row.get("boosted_seen", 0))
+
+
+@prio.command(cls=CeleryCommand)
+@click.option("--port", cls=CeleryOption, type=int, default=9809, help="Serve /metrics on this port (9809).")
+@click.option("--host", cls=CeleryOption, default="127.0.0.1", help="Address to listen on (0.0.0.0 in a pod).")
+@click.pass_context
+def exporter(ctx, port: int, host: str):
+    """Serve the fleet's figures and the demand signal per tier to Prometheus (for KEDA or an HPA)."""
+    from .fleet_metrics import serve_fleet_metrics
+
+    app, settings, adapter = _context(ctx)
+    adapter.close()
+    serve_fleet_metrics(app, settings, host, port)
+    click.echo(f"celery-prio: fleet metrics on http://{host}:{port}/metrics")
+    while True:
+        time.sleep(3600)
 
 
 @prio.command(cls=CeleryCommand)

@@ -47,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     # original, and how many recently published batch/offline tasks a process remembers (what it can boost).
     "boost_timeout": 1.0,
     "boost_memory": 10_000,
+    # The demand signal (prio status, prio exporter): seconds in which each tier's waiting work should drain.
+    "demand_target": {"realtime": 0.2, "batch": 300, "offline": 3600},
     "sjf": True,
     "sjf_max_wait": 1.0,
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
@@ -139,6 +141,7 @@ class PrioSettings:
     inherit: bool
     boost_timeout: float
     boost_memory: int
+    demand_target: dict[Tier, float]
     sjf: bool
     sjf_max_wait: float
     max_length: dict[Tier, int | None]
@@ -397,6 +400,10 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         inherit=_flag("inherit", raw["inherit"]),
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
+        demand_target={
+            t: _number(f"demand_target[{t.label}]", v, minimum=0, inclusive=False)
+            for t, v in _per_tier("demand_target", raw["demand_target"], DEFAULTS["demand_target"]).items()
+        },
         sjf=_flag("sjf", raw["sjf"]),
         sjf_max_wait=_number("sjf_max_wait", raw["sjf_max_wait"], minimum=0, inclusive=False),
         max_length=max_length,

@@ -1,0 +1,88 @@
+"""The fleet's view of the tiers: broker depths plus every worker's report, and the demand signal.
+
+``prio status`` prints it, ``prio exporter`` serves it to Prometheus (and so
+to an autoscaler such as KEDA). Correct with any number of workers: depths
+are read once from the broker, running tasks and run-time estimates are
+summed or weighted over the workers that answer ``inspect prio_stats``.
+"""
+
+from __future__ import annotations
+
+from .control import collect_prio_stats
+from .demand import fleet_estimate, slots_needed
+from .report import WorkerReport
+from .scheduler import configured_shares
+from .tiers import TIERS
+
+
+def cluster_status(app, settings, adapter) -> dict:
+    """Per tier: broker depth, plus the workers' reports summed (inspect prio_stats)."""
+    replies = collect_prio_stats(app, timeout=1.0)
+    reports = {name: r for name, r in ((n, WorkerReport.from_dict(v)) for n, v in replies.items()) if r is not None}
+    total_busy = sum(t.busy_seconds for r in reports.values() for t in r.tiers.values())
+    served = [t for t in TIERS if any(r.tiers[t.label].queues for r in reports.values())] or list(TIERS)
+    configured = configured_shares(settings.weights, served)
+    rows = {}
+    for tier in TIERS:
+        per_worker = [r.tiers[tier.label] for r in reports.values()]
+
+        def worst(attr, rows_=per_worker):
+            values = [getattr(r, attr) for r in rows_ if getattr(r, attr) is not None]
+            return max(values) if values else None
+
+        busy = sum(r.busy_seconds for r in per_worker)
+        depth = adapter.tier_depth(settings, tier)
+        lane = settings.front_lanes().get(tier)
+        waiting = depth + (adapter.depth(lane) if lane else 0)  # promoted and boosted tasks wait there too
+        running = sum(r.running for r in per_worker)
+        estimate = fleet_estimate((r.finished, r.runtime_estimate_s) for r in per_worker)
+        rows[tier.label] = {
+            "queue": settings.queue_name(tier),
+            "depth": depth,
+            "waiting": waiting,
+            "max_length": settings.max_length[tier],
+            "workers": sum(1 for r in per_worker if r.queues),
+            "dispatched": sum(r.dispatched for r in per_worker),
+            "running": running,
+            "runtime_estimate_s": None if estimate is None else round(estimate, 4),
+            "demand_slots": slots_needed(waiting, running, estimate, settings.demand_target[tier]),
+            "oldest_wait_s": worst("oldest_wait_s"),
+            "wait_p99_ms": worst("wait_p99_ms"),
+            "slot_time_share": round(busy / total_busy, 4) if total_busy else None,
+            "configured_share": round(configured[tier], 4),
+            # Broker-wide counters: every worker reports the same figure, so the largest (the freshest).
+            "promoted": worst("promoted"),
+            "boosted": worst("boosted"),
+            "boosted_seen": sum(r.boosted_seen for r in per_worker),
+            "rejected": worst("rejected"),
+            "dropped": worst("dropped"),
+            "dead_lettered": worst("dead_lettered"),
+            "yields": sum(r.yields for r in per_worker),
+            "slice_s": settings.slice[tier],
+        }
+    return {
+        "tiers": rows,
+        "subqueues": subqueue_rows(reports.values(), adapter),
+        "dead": adapter.depth(settings.dead_letter_queue),
+        "workers": sorted(reports),
+    }
+
+
+def subqueue_rows(reports, adapter) -> dict:
+    """The queues inside the tiers that the workers report (their busiest, and ``other``), summed over workers."""
+    rows: dict = {}
+    for report in reports:
+        for name, sub in report.subqueues.items():
+            row = rows.setdefault(name, {"tier": sub.tier, "dispatched": 0, "busy_seconds": 0.0, "wait_p99_ms": None})
+            row["dispatched"] += sub.dispatched
+            row["busy_seconds"] = round(row["busy_seconds"] + sub.busy_seconds, 3)
+            if sub.wait_p99_ms is not None:
+                row["wait_p99_ms"] = max(row["wait_p99_ms"] or 0.0, sub.wait_p99_ms)
+    tier_busy: dict = {}
+    for row in rows.values():
+        tier_busy[row["tier"]] = tier_busy.get(row["tier"], 0.0) + row["busy_seconds"]
+    for name, row in rows.items():
+        busy = tier_busy.get(row["tier"]) or 0.0
+        row["share_of_tier"] = round(row["busy_seconds"] / busy, 4) if busy else None
+        row["depth"] = None if name == "other" else adapter.depth(name)
+    return rows
