@@ -3,6 +3,7 @@
 celery -A app prio status [--json]          depth, dead letters, counters and demand (slots needed) per tier
 celery -A app prio exporter [--port 9809]   the same for Prometheus: celery_prio_demand_slots{tier} for autoscalers
 celery -A app prio boost ID [--tier T]      lift a queued task into a higher tier
+celery -A app prio simulate SPEC [--set k=v] replay a workload through the real scheduler, side by side
 celery -A app prio dead list [--limit N]    evicted (drop_oldest) and malformed/unrunnable messages
 celery -A app prio dead requeue [--limit N] put them back (stops at a full tier; only to tier queues)
 celery -A app prio dead purge               delete them
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .brokers import adapter_for
+from .errors import ConfigError
 from .fleet import cluster_status
 from .report import fmt
 from .settings import settings_for
@@ -105,6 +108,58 @@ def exporter(ctx, port: int, host: str):
     click.echo(f"celery-prio: fleet metrics on http://{host}:{port}/metrics")
     while True:
         time.sleep(3600)
+
+
+@prio.command(cls=CeleryCommand)
+@click.argument("workload", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--set", "sets", cls=CeleryOption, multiple=True, help="An alternative setting, name=value (repeat).")
+@click.option("--vs", cls=CeleryOption, multiple=True, help='Another alternative: "name=value name=value".')
+@click.option("--workers", cls=CeleryOption, type=int, default=None, help="Workers (default: the workload's).")
+@click.option("--concurrency", cls=CeleryOption, type=int, default=None, help="Slots per worker.")
+@click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool):
+    """Replay a workload (spec or recorded trace) through the real scheduler for these settings and others."""
+    from .simulate import load_workload, parse_override, settings_with
+    from .simulate import simulate as run_simulation
+
+    app = ctx.obj.app
+    try:
+        spec = load_workload(workload, workers, concurrency)
+        alternatives = {"app settings": {}}
+        if sets:
+            alternatives[" ".join(sets)] = dict(parse_override(x) for x in sets)
+        for group in vs:
+            alternatives[group] = dict(parse_override(x) for x in group.split())
+        runs = {label: run_simulation(spec, settings_with(app.conf, o)) for label, o in alternatives.items()}
+    except (ValueError, ConfigError) as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(runs))
+        return
+    click.echo(
+        f"{spec.workers} worker(s) x {spec.concurrency} slots, {spec.duration:g} s of arrivals "
+        f"(+{spec.grace:g} s), {spec.overhead_s * 1000:g} ms dispatch overhead"
+    )
+    rows = (
+        ("wait p50 ms", "wait_p50_ms", "{:.0f}"),
+        ("wait p99 ms", "wait_p99_ms", "{:.0f}"),
+        ("latency p99 ms", "latency_p99_ms", "{:.0f}"),
+        ("share of slot time", "slot_time_share", "{:.2f}"),
+        ("longest wait s", "longest_wait_s", "{:.1f}"),
+        ("completed / arrived", None, None),
+        ("promoted", "promoted", "{}"),
+        ("yields", "yields", "{}"),
+    )
+    width = max(24, *(len(label) + 2 for label in runs))
+    for tier in ("realtime", "batch", "offline"):
+        click.echo(f"\n{tier:<22}" + "".join(f"{label:>{width}}" for label in runs))
+        for title, key, pattern in rows:
+            cells = []
+            for result in runs.values():
+                r = result[tier]
+                cells.append(f"{r['completed']}/{r['arrived']}" if key is None else fmt(r[key], pattern))
+            click.echo(f"  {title:<20}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 @prio.command(cls=CeleryCommand)

@@ -58,6 +58,7 @@ class FetchLoop:
         # The tier's time among its queues (``ServedQueues``: dispatched/finished/empty per queue), if any.
         self.lanes = lanes
         self.deliver: Callable[[Tier, Any], None] | None = None
+        self.on_settled: Callable[[Any], None] | None = None  # each finished run (``ledger.Settled``): the trace
         self.active = False
         self.fetching: Tier | None = None  # the tier of the message being delivered right now
         self.fetching_queue: str | None = None  # and the queue it came from
@@ -143,6 +144,8 @@ class FetchLoop:
             self.stats.observe_run(s.tier, s.runtime)
             if self.lanes is not None and s.queue:
                 self.lanes.finished(s.queue, s.runtime, s.queue_charge)
+            if self.on_settled is not None:
+                self.on_settled(s)
         if self.active:
             self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
             self.pump()

@@ -30,6 +30,7 @@ class Settled:
     charge: float
     queue: str | None = None
     queue_charge: float = 0.0
+    key: Hashable = None  # what was started (the worker: Celery's request)
 
 
 class Ledger:
@@ -54,7 +55,7 @@ class Ledger:
         for key in done:
             entry = self._entries.pop(key)
             runtime = max(0.0, now - entry.started)
-            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge))
+            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge, key))
         return out
 
     def running(self, tier: Tier) -> int:

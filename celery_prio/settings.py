@@ -49,6 +49,9 @@ DEFAULTS: dict[str, Any] = {
     "boost_memory": 10_000,
     # The demand signal (prio status, prio exporter): seconds in which each tier's waiting work should drain.
     "demand_target": {"realtime": 0.2, "batch": 300, "offline": 3600},
+    # prio simulate --trace: each worker appends what it ran to this file (JSON lines), at most trace_max lines.
+    "trace_file": None,
+    "trace_max": 100_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
     "max_length": {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
@@ -100,6 +103,12 @@ def _whole(name: str, value: Any) -> int:
     return value
 
 
+def _optional_path(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"prio_{name} must be a file path or None, got {value!r}")
+    return value
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
@@ -142,6 +151,8 @@ class PrioSettings:
     boost_timeout: float
     boost_memory: int
     demand_target: dict[Tier, float]
+    trace_file: str | None
+    trace_max: int
     sjf: bool
     sjf_max_wait: float
     max_length: dict[Tier, int | None]
@@ -400,6 +411,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         inherit=_flag("inherit", raw["inherit"]),
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
+        trace_file=_optional_path("trace_file", raw["trace_file"]),
+        trace_max=_whole("trace_max", raw["trace_max"]),
         demand_target={
             t: _number(f"demand_target[{t.label}]", v, minimum=0, inclusive=False)
             for t, v in _per_tier("demand_target", raw["demand_target"], DEFAULTS["demand_target"]).items()

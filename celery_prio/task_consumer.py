@@ -79,6 +79,10 @@ class TierFetcher:
             reraise=tuple(consumer.connection_errors),
             lanes=self.served,
         )
+        if settings.trace_file is not None:
+            from .trace import TraceRecorder
+
+            self.loop.on_settled = TraceRecorder(settings.trace_file, settings.trace_max).record
         self.figures = BrokerFigures()
         self.board = board()
         self._handler: Any = None  # Celery's task handler (``on_message``)

@@ -6,7 +6,6 @@ Fast and deterministic: what the real-broker tests show with real workers
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -18,39 +17,11 @@ from celery_prio.ledger import Ledger
 from celery_prio.scheduler import TierScheduler
 from celery_prio.served import ServedQueues
 from celery_prio.settings import load_settings
+from celery_prio.simulate import SimLoop
 from celery_prio.stats import WorkerStats
 from celery_prio.tiers import TIERS, Tier
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
-
-
-class SimLoop:
-    """A virtual-time event loop with kombu Hub's call_soon/call_later."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._events: list = []
-        self._seq = itertools.count()
-
-    def call_soon(self, callback, *args):
-        return self.call_later(0.0, callback, *args)
-
-    def call_later(self, delay, callback, *args):
-        entry = [self.now + delay, next(self._seq), callback, args, False]
-        heapq.heappush(self._events, entry)
-        return entry
-
-    @staticmethod
-    def cancel(entry) -> None:
-        entry[4] = True
-
-    def run_until(self, until: float) -> None:
-        while self._events and self._events[0][0] <= until:
-            at, _, callback, args, cancelled = heapq.heappop(self._events)
-            self.now = at
-            if not cancelled:
-                callback(*args)
-        self.now = until
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,476 @@
+"""The policy simulator: the real scheduler and fetch loop on a virtual clock, over a workload.
+
+``celery -A app prio simulate SPEC`` replays a workload against the app's
+settings and against alternatives, side by side. What runs is the worker's
+own code — :class:`~celery_prio.fetchloop.FetchLoop` (one message per free
+slot, the idle back-off), :class:`~celery_prio.scheduler.TierScheduler` (time
+shares, reserve, floor, cold start, preemption of sliced tasks) and
+:class:`~celery_prio.served.ServedQueues` (front lanes) — against the
+in-memory broker, with a simulated event loop instead of the worker's hub.
+Modelled around it: several workers sharing the queues, Poisson arrivals and
+backlogs, run-time distributions, a per-task dispatch overhead (broker round
+trips and the pool hand-off), aging (promotion into the upper tier's front
+lane past the threshold, every ``prio_aging_interval``) and GPU time slices
+(a task made of elements yields between them the way ``celery_prio.slices``
+does). Not modelled: sub-queues, SJF, capacity caps, broker failures.
+
+A workload is a small spec (YAML or JSON)::
+
+    duration: 20          # seconds of arrivals
+    workers: 1
+    concurrency: 4
+    overhead_ms: 5        # per task, on top of its run time (fetch round trips, pool hand-off)
+    streams:
+      - {tier: realtime, rate: 30, seconds: 0.02}                 # Poisson, 30/s
+      - {tier: batch, backlog: 1200, seconds: 0.1}                # queued at t=0
+      - {tier: offline, backlog: 20, seconds: {dist: exponential, mean: 2.0}, elements: 20}
+
+or a trace recorded by real workers (``prio_trace_file``): each finished
+task's tier, queue, name, enqueue, start and end time, replayed with the
+recorded arrivals and run times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import random
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .brokers.memory import MemoryFetchSource
+from .fetchloop import FetchLoop
+from .scheduler import TierScheduler
+from .served import ServedQueues
+from .settings import PrioSettings, load_settings
+from .stats import WorkerStats, percentile
+from .tiers import TIERS, Tier, parse_tier
+
+DISTRIBUTIONS = ("fixed", "exponential", "uniform", "lognormal")
+
+
+class SimLoop:
+    """A virtual-time event loop with the kombu Hub calls the fetch loop uses (call_soon, call_later)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+
+    def call_soon(self, callback, *args):
+        return self.call_later(0.0, callback, *args)
+
+    def call_later(self, delay, callback, *args):
+        entry = [self.now + delay, next(self._seq), callback, args, False]
+        heapq.heappush(self._events, entry)
+        return entry
+
+    @staticmethod
+    def cancel(entry) -> None:
+        entry[4] = True
+
+    def run_until(self, until: float) -> None:
+        while self._events and self._events[0][0] <= until:
+            at, _, callback, args, cancelled = heapq.heappop(self._events)
+            self.now = at
+            if not cancelled:
+                callback(*args)
+        self.now = until
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """A run-time distribution in seconds."""
+
+    dist: str = "fixed"
+    mean: float = 0.1
+    low: float = 0.0
+    high: float = 0.0
+    sigma: float = 0.5
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> RunTime:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return cls(mean=float(raw))
+        if not isinstance(raw, Mapping) or raw.get("dist", "fixed") not in DISTRIBUTIONS:
+            raise ValueError(f"{where}: seconds must be a number or {{dist: {'|'.join(DISTRIBUTIONS)}, ...}}")
+        out = cls(**{k: float(v) if k != "dist" else v for k, v in raw.items()})
+        if out.dist == "uniform" and not 0 <= out.low <= out.high:
+            raise ValueError(f"{where}: uniform needs 0 <= low <= high")
+        if out.dist != "uniform" and out.mean < 0:
+            raise ValueError(f"{where}: mean must be >= 0")
+        return out
+
+    def sample(self, rng: random.Random) -> float:
+        if self.dist == "exponential":
+            return rng.expovariate(1.0 / self.mean) if self.mean > 0 else 0.0
+        if self.dist == "uniform":
+            return rng.uniform(self.low, self.high)
+        if self.dist == "lognormal":  # ``mean`` is the distribution's mean
+            mu = math.log(self.mean) - self.sigma**2 / 2 if self.mean > 0 else 0.0
+            return rng.lognormvariate(mu, self.sigma) if self.mean > 0 else 0.0
+        return self.mean
+
+
+@dataclass(frozen=True)
+class Stream:
+    tier: Tier
+    seconds: RunTime
+    rate: float = 0.0  # Poisson arrivals per second during the run
+    backlog: int = 0  # queued at t=0
+    elements: int = 0  # > 0: a sliced task (celery_prio.slices) of this many equal elements
+    name: str = ""
+
+
+@dataclass
+class Workload:
+    duration: float
+    streams: list[Stream]
+    workers: int = 1
+    concurrency: int = 4
+    overhead_s: float = 0.005  # measured on this project's 2-core box against real runs (tests/test_simulate.py)
+    grace: float = 3.0  # simulated time after the arrivals end, for what is still running
+    seed: int = 7
+    arrivals: list[tuple[float, Stream, float]] | None = None  # a trace: (at, stream, run time)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Workload:
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("streams"), list) or not spec["streams"]:
+            raise ValueError("a workload spec needs a non-empty 'streams' list")
+        streams = []
+        for i, raw in enumerate(spec["streams"]):
+            where = f"streams[{i}]"
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"{where} must be a mapping")
+            unknown = set(raw) - {"tier", "seconds", "rate", "backlog", "elements", "name"}
+            if unknown:
+                raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+            stream = Stream(
+                tier=parse_tier(raw.get("tier"), what=f"{where}.tier"),
+                seconds=RunTime.parse(raw.get("seconds", 0.1), where),
+                rate=float(raw.get("rate", 0.0)),
+                backlog=int(raw.get("backlog", 0)),
+                elements=int(raw.get("elements", 0)),
+                name=str(raw.get("name", "")),
+            )
+            if stream.rate < 0 or stream.backlog < 0 or stream.elements < 0:
+                raise ValueError(f"{where}: rate, backlog and elements must be >= 0")
+            streams.append(stream)
+        workload = cls(
+            duration=float(spec.get("duration", 20.0)),
+            streams=streams,
+            workers=int(spec.get("workers", 1)),
+            concurrency=int(spec.get("concurrency", 4)),
+            overhead_s=float(spec.get("overhead_ms", 5.0)) / 1000.0,
+            grace=float(spec.get("grace", 3.0)),
+            seed=int(spec.get("seed", 7)),
+        )
+        if workload.duration <= 0 or workload.workers < 1 or workload.concurrency < 1:
+            raise ValueError("duration must be > 0, workers and concurrency >= 1")
+        return workload
+
+    @classmethod
+    def from_trace(cls, rows: list[Mapping[str, Any]], workers: int, concurrency: int) -> Workload:
+        """A recorded trace (``prio_trace_file`` rows): arrivals and run times as they were."""
+        usable = [r for r in rows if isinstance(r, Mapping) and _trace_row_ok(r)]
+        if not usable:
+            raise ValueError("the trace has no usable rows (tier, enqueued_at, start, end)")
+        t0 = min(float(r["enqueued_at"]) for r in usable)
+        streams: dict[tuple[Tier, str], Stream] = {}
+        arrivals = []
+        for r in usable:
+            tier = parse_tier(r["tier"])
+            key = (tier, str(r.get("task", "")))
+            stream = streams.setdefault(key, Stream(tier=tier, seconds=RunTime(), name=key[1]))
+            arrivals.append((float(r["enqueued_at"]) - t0, stream, max(float(r["end"]) - float(r["start"]), 0.0)))
+        arrivals.sort(key=lambda a: a[0])
+        duration = max(a[0] for a in arrivals) + 1e-3
+        return cls(duration, list(streams.values()), workers, concurrency, arrivals=arrivals)
+
+
+def _trace_row_ok(row: Mapping[str, Any]) -> bool:
+    try:
+        parse_tier(row["tier"])
+        return all(math.isfinite(float(row[k])) for k in ("enqueued_at", "start", "end"))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+@dataclass
+class Task:
+    key: int
+    stream: Stream
+    seconds: float
+    enqueued_at: float
+    tier: Tier
+    elements_left: int = 0
+    started: bool = False  # a continuation's wait is not a new arrival's
+
+
+@dataclass
+class TierResult:
+    arrived: int = 0
+    completed: int = 0
+    completed_in_window: int = 0  # finished while arrivals were still coming (before ``duration``)
+    promoted: int = 0
+    yields: int = 0
+    busy_s: float = 0.0
+    waits: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    longest_wait_s: float = 0.0
+
+    def summary(self, total_busy: float) -> dict[str, Any]:
+        def ms(values: list[float], q: float) -> float | None:
+            p = percentile(values, q)
+            return None if p is None else round(p * 1000, 1)
+
+        return {
+            "arrived": self.arrived,
+            "completed": self.completed,
+            "completed_in_window": self.completed_in_window,
+            "wait_p50_ms": ms(self.waits, 50),
+            "wait_p99_ms": ms(self.waits, 99),
+            "latency_p99_ms": ms(self.latencies, 99),
+            "slot_time_share": round(self.busy_s / total_busy, 4) if total_busy else 0.0,
+            "longest_wait_s": round(self.longest_wait_s, 3),
+            "promoted": self.promoted,
+            "yields": self.yields,
+        }
+
+
+class _Worker:
+    def __init__(self, sim: Simulation, index: int) -> None:
+        settings, workload = sim.settings, sim.workload
+        self.sim = sim
+        self.served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
+        self.source = MemoryFetchSource(self.served, settings)
+        self.source.queues = sim.queues  # one broker for every worker
+        self.scheduler = TierScheduler(
+            weights=settings.weights,
+            concurrency=workload.concurrency,
+            reserve=settings.effective_reserve(workload.concurrency),
+            min_share=settings.min_share,
+            mode=settings.scheduler,
+            idle_share=settings.idle_share,
+        )
+        clock = sim.loop
+        self.loop = FetchLoop(
+            self.source,
+            self.scheduler,
+            WorkerStats(),
+            clock,
+            SimLoop.cancel,
+            lambda: clock.now,
+            settings.poll_interval,
+            lanes=self.served,
+        )
+        self.loop.deliver = self.deliver
+        self.held: set[int] = set()
+        self.name = f"worker{index}"
+
+    def deliver(self, tier: Tier, task: Task) -> None:
+        sim, now = self.sim, self.sim.loop.now
+        result = sim.results[task.stream.tier]  # waits and completions count for the tier it was sent to
+        if not task.started:
+            task.started = True
+            wait = now - task.enqueued_at
+            result.waits.append(wait)
+            result.longest_wait_s = max(result.longest_wait_s, wait)
+        self.held.add(task.key)
+        self.loop.started(task.key, tier)
+        if task.elements_left and sim.settings.slice[tier] is not None:
+            per = task.seconds / max(task.elements_left, 1)
+            sim.loop.call_later(sim.workload.overhead_s + per, self._element_done, tier, task, now, per)
+        else:
+            sim.loop.call_later(sim.workload.overhead_s + task.seconds, self._done, tier, task, now)
+
+    def _element_done(self, tier: Tier, task: Task, began: float, per: float) -> None:
+        sim = self.sim
+        task.elements_left -= 1
+        task.seconds = max(task.seconds - per, 0.0)
+        if task.elements_left <= 0:
+            self._done(tier, task, began)
+            return
+        if sim.loop.now - began >= sim.settings.slice[tier] and self._should_yield(tier):
+            # celery_prio.slices: the continuation goes to the tier's front lane, the slot to the waiting tier.
+            sim.results[tier].yields += 1
+            self._release(tier, task, began)
+            sim.queues[sim.settings.front_lanes()[tier]].append(task)
+            return
+        sim.loop.call_later(per, self._element_done, tier, task, began, per)
+
+    def _should_yield(self, tier: Tier) -> bool:
+        now = self.sim.loop.now
+        preemptors = self.scheduler.preemptors({tier}, self.loop.ledger.overrun(now)).get(tier, set())
+        for higher in sorted(preemptors):
+            if any(self.sim.queues.get(c.name) for c in self.served.candidates(higher)):
+                self.scheduler.hand_off_to(higher)
+                return True
+        return False
+
+    def _done(self, tier: Tier, task: Task, began: float) -> None:
+        sim = self.sim
+        result = sim.results[task.stream.tier]
+        result.completed += 1
+        if sim.loop.now <= sim.workload.duration:
+            result.completed_in_window += 1
+        result.latencies.append(sim.loop.now - task.enqueued_at)
+        self._release(tier, task, began)
+
+    def _release(self, tier: Tier, task: Task, began: float) -> None:
+        self.sim.results[tier].busy_s += self.sim.loop.now - began  # slot time counts for the tier it ran in
+        self.held.discard(task.key)
+        self.loop.settle(self.held)
+
+
+class Simulation:
+    def __init__(self, workload: Workload, settings: PrioSettings) -> None:
+        self.workload = workload
+        self.settings = settings
+        self.loop = SimLoop()
+        self.queues: dict[str, deque] = defaultdict(deque)
+        self.results = {t: TierResult() for t in TIERS}
+        self.rng = random.Random(workload.seed)
+        self._keys = itertools.count()
+        self.workers = [_Worker(self, i) for i in range(workload.workers)]
+
+    def publish(self, stream: Stream, seconds: float | None = None) -> None:
+        run_time = stream.seconds.sample(self.rng) if seconds is None else seconds
+        task = Task(next(self._keys), stream, run_time, self.loop.now, stream.tier, stream.elements)
+        self.results[stream.tier].arrived += 1
+        self.queues[self.settings.queue_name(stream.tier)].append(task)
+
+    def _age(self) -> None:
+        now = self.loop.now
+        for tier in (Tier.BATCH, Tier.OFFLINE):  # batch -> realtime first, as the workers do
+            threshold = self.settings.aging[tier]
+            if threshold is None:
+                continue
+            upper = self.settings.front_lanes()[tier.promoted()]
+            for name in (self.settings.queue_name(tier), self.settings.front_lanes().get(tier)):
+                queue = self.queues.get(name) if name else None
+                while queue and now - queue[0].enqueued_at >= threshold:
+                    task = queue.popleft()
+                    task.tier = tier.promoted()
+                    self.results[tier].promoted += 1
+                    self.queues[upper].append(task)
+        self.loop.call_later(self.settings.aging_interval, self._age)
+
+    def _arrivals(self) -> None:
+        workload = self.workload
+        if workload.arrivals is not None:
+            for at, stream, seconds in workload.arrivals:
+                self.loop.call_later(at, self.publish, stream, seconds)
+            return
+        for stream in workload.streams:
+            for _ in range(stream.backlog):
+                self.publish(stream)
+            if stream.rate > 0:
+                t = self.rng.expovariate(stream.rate)
+                while t < workload.duration:
+                    self.loop.call_later(t, self.publish, stream)
+                    t += self.rng.expovariate(stream.rate)
+
+    def run(self) -> dict[str, Any]:
+        self._arrivals()
+        if any(self.settings.aging[t] is not None for t in (Tier.BATCH, Tier.OFFLINE)):
+            self.loop.call_later(self.settings.aging_interval, self._age)
+        for worker in self.workers:
+            worker.loop.start()
+        end = self.workload.duration + self.workload.grace
+        self.loop.run_until(end)
+        for queue in self.queues.values():  # still waiting at the end: they waited that long
+            for task in queue:
+                if not task.started:
+                    result = self.results[task.stream.tier]
+                    result.longest_wait_s = max(result.longest_wait_s, end - task.enqueued_at)
+        total = sum(r.busy_s for r in self.results.values())
+        return {t.label: self.results[t].summary(total) for t in TIERS}
+
+
+def workload_of(bench: Any, overhead_s: float = 0.005) -> Workload:
+    """The simulator's form of a ``celery-prio bench`` mixed workload (``tools.bench.Workload``)."""
+    streams = [
+        Stream(Tier.REALTIME, RunTime(mean=bench.rt_seconds), rate=bench.rt_rate),
+        Stream(Tier.BATCH, RunTime(mean=bench.batch_seconds), backlog=bench.batch_backlog),
+        Stream(
+            Tier.OFFLINE, RunTime(mean=bench.offline_seconds), backlog=bench.offline_backlog, rate=bench.offline_rate
+        ),
+    ]
+    return Workload(bench.duration, streams, 1, bench.concurrency, overhead_s, bench.grace, bench.seed)
+
+
+def simulate(workload: Workload, settings: PrioSettings) -> dict[str, Any]:
+    """Per tier: arrivals, completions, wait P50/P99, latency P99, slot-time share, longest wait, promotions."""
+    return Simulation(workload, settings).run()
+
+
+def load_workload(path: Path, workers: int | None = None, concurrency: int | None = None) -> Workload:
+    """A spec (``.yaml``/``.yml``/``.json``) or a trace (``.jsonl``: one recorded task a line)."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        rows = []
+        for line in text.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of a file being written
+        return Workload.from_trace(rows, workers or 1, concurrency or 4)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        spec = yaml.safe_load(text)
+    else:
+        spec = json.loads(text)
+    workload = Workload.from_spec(spec)
+    if workers:
+        workload.workers = workers
+    if concurrency:
+        workload.concurrency = concurrency
+    return workload
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``weights=4,2,1`` / ``aging=offline:30,batch:none`` / ``reserve=0`` / ``idle_share=next_below``."""
+    name, sep, raw = text.partition("=")
+    name = name.strip().removeprefix("prio_")
+    if not sep or not name:
+        raise ValueError(f"--set takes name=value, got {text!r}")
+    return name, _value(raw.strip())
+
+
+def _scalar(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        return float(raw)
+    except ValueError:
+        return raw
+
+
+def _value(raw: str) -> Any:
+    parts = [p.strip() for p in raw.split(",")] if "," in raw or ":" in raw else None
+    if parts is None:
+        return _scalar(raw)
+    if all(":" in p for p in parts):
+        return {k.strip(): _scalar(v.strip()) for k, v in (p.split(":", 1) for p in parts)}
+    if len(parts) == len(TIERS):
+        return {t.label: _scalar(p) for t, p in zip(TIERS, parts, strict=True)}
+    raise ValueError(f"cannot read {raw!r}: give one value, three (realtime,batch,offline) or tier:value pairs")
+
+
+def settings_with(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> PrioSettings:
+    """The app's configuration with ``overrides`` (validated like any setting)."""
+    return load_settings(base, overrides)
