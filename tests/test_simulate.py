@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -184,3 +185,22 @@ def test_simulated_realtime_p99_and_offline_completions_are_within_25_percent_of
         if all(within(s, r) for s, r in zip(simulated, measured, strict=True)):
             return
     pytest.fail(f"{case}: simulated (realtime P99 ms, offline done) {simulated}, real runs {seen}")
+
+
+def test_a_real_worker_records_a_bounded_trace_that_the_simulator_replays(redis_env, tmp_path):
+    env = redis_env
+    trace = tmp_path / "trace.jsonl"
+    env.configure(trace_file=str(trace), trace_max=5)
+    env.start_worker(concurrency=2)
+    results = [env.app.tasks["t.sleep"].apply_async((f"s{i}", 0.05), tier="offline") for i in range(8)]
+    for r in results:
+        r.get(timeout=20)
+    env.wait_for(lambda: trace.exists() and len(trace.read_text().splitlines()) == 5, what="five trace lines")
+    time.sleep(0.5)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == 5  # prio_trace_max holds
+    for row in rows:
+        assert row["tier"] == "offline" and row["task"] == "t.sleep" and row["queue"] == f"{env.prefix}.offline"
+        assert row["enqueued_at"] <= row["start"] < row["end"] and 0.04 < row["end"] - row["start"] < 1.0
+    data = json.loads(env.prio_cli("simulate", str(trace), "--json"))
+    assert data["app settings"]["offline"]["completed"] == 5
