@@ -213,7 +213,9 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
             parts.append(f"yields {row.yields}")
         if row.promoted:
             parts.append(f"promoted {row.promoted}")
-        if row.boosted or row.boosted_seen:
-            parts.append(f"boosted {row.boosted if row.boosted is not None else row.boosted_seen}")
+        if row.boosted:  # lifted out of this tier by celery_prio.boost (broker-wide, Redis)
+            parts.append(f"boosted out {row.boosted}")
+        if row.boosted_seen:  # run here after a boost lifted them into this tier
+            parts.append(f"boosted in {row.boosted_seen}")
         rows[f"prio {label}"] = " · ".join(parts)
     return rows
