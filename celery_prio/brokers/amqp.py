@@ -431,10 +431,22 @@ class AmqpFetchSource(FetchSource):
         from .amqp_boost import join_fleet, read_journal
 
         # On the worker's own connection: counted while it is up (and its control queue with it).
-        join_fleet(self.channel.connection.channel(), self.settings)
-        with self.app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=3)
-            records = read_journal(conn.connection, self.settings)
+        # A worker that cannot join still runs (fetching matters more), but boosts may then miss it.
+        try:
+            join_fleet(self.channel.connection.channel(), self.settings)
+        except self.channel.connection.connection_errors:
+            raise  # the consumer reconnects and starts again
+        except Exception:
+            logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
+            return []
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=3)
+                records = read_journal(conn.connection, self.settings)
+        except Exception:
+            # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown here.
+            logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
+            records = []
         logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
         return records
 
