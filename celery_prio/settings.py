@@ -23,6 +23,8 @@ from .headers import PROMOTED_SUFFIX
 from .tiers import TIERS, Tier, parse_tier
 
 OVERFLOW_POLICIES = ("reject", "drop_oldest")
+#: Workers beat every second: a worker is taken for gone only after missing a few beats.
+MIN_REDELIVER_AFTER = 2.0
 SCHEDULER_MODES = ("time", "count")
 IDLE_SHARE_RULES = ("proportional", "next_below")  # scheduler.IDLE_SHARE_RULES: settings stays import-light
 
@@ -51,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     "demand_target": {"realtime": 0.2, "batch": 300, "offline": 3600},
     # prio simulate --trace: each worker appends what it ran to this file (JSON lines), at most trace_max lines.
     "trace_file": None,
+    # Redis: a fetched message whose worker is gone (no heartbeat for this long) goes back to its queue.
+    "redeliver_after": {"realtime": 5, "batch": 30, "offline": 60},
     "trace_max": 100_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
@@ -152,6 +156,7 @@ class PrioSettings:
     boost_memory: int
     demand_target: dict[Tier, float]
     trace_file: str | None
+    redeliver_after: dict[Tier, float]
     trace_max: int
     sjf: bool
     sjf_max_wait: float
@@ -179,6 +184,16 @@ class PrioSettings:
     def subqueue_registry(self) -> str:
         """Redis set of every sub-queue published to (workers discover sub-queues from it)."""
         return f"{self.queue_prefix}.subqueues"
+
+    @property
+    def owners_key(self) -> str:
+        """Redis hash: delivery tag -> the worker that fetched it (``worker|tier|fetched at``)."""
+        return f"{self.queue_prefix}.owners"
+
+    @property
+    def heartbeats_key(self) -> str:
+        """Redis hash: worker -> when it last said it is alive (Redis time)."""
+        return f"{self.queue_prefix}.heartbeats"
 
     @property
     def stats_key(self) -> str:
@@ -412,6 +427,10 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
+        redeliver_after={
+            t: _number(f"redeliver_after[{t.label}]", v, minimum=MIN_REDELIVER_AFTER)
+            for t, v in _per_tier("redeliver_after", raw["redeliver_after"], DEFAULTS["redeliver_after"]).items()
+        },
         trace_max=_whole("trace_max", raw["trace_max"]),
         demand_target={
             t: _number(f"demand_target[{t.label}]", v, minimum=0, inclusive=False)

@@ -165,12 +165,11 @@ def test_http_front_door(tasks_env, tmp_path):
 @pytest.mark.slow
 def test_http_waiting_on_a_batch_job_lifts_it_to_realtime(tasks_env):
     """A job submitted with 202 behind a batch backlog; a caller now waits on it: it runs next, not last."""
-    from celery_prio import bulk
-
     x, y = images(4)
     many, _ = images(64)
     client = TestClient(create_api(tasks_env.app, deadline_s=30))
-    backlog = bulk(tasks_env.app.tasks["tasks.inference.classify_batch"], ([many] for _ in range(300)), tier="batch")
+    name = "tasks.inference.classify_batch"
+    backlog = [tasks_env.app.send_task(name, args=[many], tier="batch").id for _ in range(300)]
     job = client.post("/v1/classify_batch", json={"images": x}).json()["task_id"]  # behind 300 batch jobs
     assert client.get(f"/v1/tasks/{job}/result", params={"timeout": 0}).status_code == 422
     assert client.get(f"/v1/tasks/{job}/result", params={"timeout": "nan"}).status_code == 422

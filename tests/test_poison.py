@@ -209,7 +209,7 @@ def test_a_redelivered_bad_message_does_not_crash_loop(redis_env):
     env.wait_for(lambda: env.adapter.depth(f"{env.prefix}.dead") == 1, timeout=15, what="the dead letter")
     time.sleep(2.5)  # past the visibility timeout: nothing comes back, the unacked record is gone
     assert env.adapter.depth(f"{env.prefix}.dead") == 1 and env.depth(B) == 0
-    assert env.adapter.client.hlen("unacked") == 0
+    assert env.adapter.client.hlen(f"{env.prefix}.unacked") == 0  # this app's in-flight messages (own keys)
     assert_worker_serves(env, worker, "after the visibility timeout")
 
 

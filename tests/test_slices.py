@@ -99,7 +99,7 @@ def test_realtime_latency_bounded_by_a_slice(env):
 
 def test_crash_between_publish_and_ack_completes_once(env):
     """The worker dies right after a continuation was published, before the ack (acks_late)."""
-    env.configure(visibility_timeout=2, **SLICED)
+    env.configure(visibility_timeout=2, redeliver_after={"batch": 2}, **SLICED)
     first = env.start_worker(concurrency=1, env_extra={CRASH_AFTER_PUBLISH_ENV: "1"})
     task = env.app.tasks["t.sliced"].delay("crash", 12, 0.05)
     env.wait_for(lambda: elements(env, "crash"), what="the sliced task to start")
@@ -114,7 +114,7 @@ def test_crash_between_publish_and_ack_completes_once(env):
 
 
 def test_sigkill_between_slices_completes_once(env):
-    env.configure(visibility_timeout=2, **SLICED)
+    env.configure(visibility_timeout=2, redeliver_after={"batch": 2}, **SLICED)
     first = env.start_worker(concurrency=1)
     task = env.app.tasks["t.sliced"].delay("kill", 30, 0.05)
     with realtime_traffic(env):

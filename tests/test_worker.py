@@ -106,7 +106,7 @@ def test_eta_retry_and_chord_across_tiers(env):
 
 
 def test_sigkill_mid_task_with_acks_late_loses_nothing(env):
-    env.configure(visibility_timeout=2)
+    env.configure(visibility_timeout=2, redeliver_after={"offline": 2})  # Redis: the dead owner's are returned
     t = tasks(env)
     worker = env.start_worker(concurrency=2)
     for i in range(6):

@@ -71,6 +71,14 @@ def make_app(
     def slow_late(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)
 
+    @app.task(shared=False, name="t.rt_late", acks_late=True, tier="realtime")
+    def rt_late(tag: str, seconds: float) -> str:
+        return sleep(tag, seconds)
+
+    @app.task(shared=False, name="t.batch_late", acks_late=True, tier="batch")
+    def batch_late(tag: str, seconds: float) -> str:
+        return sleep(tag, seconds)
+
     @app.task(shared=False, name="t.flaky", bind=True, max_retries=3, tier="batch")
     def flaky(self, tag: str) -> str:
         record(f"try{self.request.retries}", tag)

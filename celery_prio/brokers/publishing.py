@@ -205,6 +205,11 @@ class RedisPublishing(Publishing):
         }
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
+        options["prio_owners_key"] = settings.owners_key
+        # This app's in-flight messages in keys of its own: kombu's visibility-timeout restore (which
+        # every Redis worker runs) then scans only them, never another app's messages in the same db.
+        for name in ("unacked_key", "unacked_index_key", "unacked_mutex_key"):
+            options.setdefault(name, f"{settings.queue_prefix}.{name.removesuffix('_key')}")
 
     def new_bulk_session(
         self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None

@@ -15,7 +15,7 @@ from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import decode_redis_element, enqueue_age
 from .base import Broker, BrokerFigures, FetchSource, Job, Take
-from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, PROMOTE, STAMP
+from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, HEARTBEAT, PROMOTE, STAMP, SWEEP_DEAD_OWNERS
 from .redis_transport import drain_rate, registered_subqueues
 
 logger = logging.getLogger(__name__)
@@ -194,9 +194,10 @@ def describe_dead_entry(raw: bytes) -> dict[str, Any]:
     }
 
 
-#: How often a worker returns messages whose consumer died (unacked for longer
-#: than the visibility timeout) to their queues.
-RESTORE_INTERVAL = 10.0
+#: How often a worker beats and looks for messages of workers that are gone (prompt recovery).
+HEARTBEAT_INTERVAL = 1.0
+#: Most messages one sweep takes over (the next sweep, a second later, goes on).
+SWEEP_BATCH = 1000
 #: How often a worker reports its per-tier take rate (publishers' Retry-After).
 RATE_INTERVAL = 2.0
 
@@ -222,6 +223,9 @@ class RedisFetchSource(FetchSource):
         self.accept = prepare_accept_content(app.conf.accept_content)
         self.adapter = RedisAdapter(app, client=channel.client)
         self._script = channel.client.register_script(FETCH)
+        self._beat = channel.client.register_script(HEARTBEAT)
+        self._sweep = channel.client.register_script(SWEEP_DEAD_OWNERS)
+        self.returned = 0  # messages of gone workers this worker returned to their queues
         self._dead_letter = channel.client.register_script(DEAD_LETTER)
         self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
         self._rate_mark: tuple[float, dict[Tier, int]] | None = None
@@ -279,8 +283,9 @@ class RedisFetchSource(FetchSource):
                 channel.unacked_index_key,
                 self.settings.dead_letter_queue,
                 self.settings.stats_key,
+                self.settings.owners_key,
             ],
-            args=[time.time(), *(t.label for t in tiers)],
+            args=[time.time(), *(t.label for t in tiers), self.worker_name],
             client=channel.client,
         )
         if not hit:
@@ -326,7 +331,8 @@ class RedisFetchSource(FetchSource):
     # -- housekeeping on the worker's loop --------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         jobs = [
-            Job(RESTORE_INTERVAL, self._restore_expired_unacked, "restore unacked"),
+            Job(HEARTBEAT_INTERVAL, self._heartbeat, "say this worker is alive"),
+            Job(HEARTBEAT_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
             Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
@@ -335,18 +341,51 @@ class RedisFetchSource(FetchSource):
             jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
         return jobs
 
-    def _restore_expired_unacked(self) -> None:
-        """Put back messages a dead worker took but never acked.
+    def join_fleet(self) -> list[list[Any]]:
+        self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
+        return []
 
-        kombu does this only for channels with ``basic_consume`` subscriptions;
-        a celery-prio worker fetches with ``basic_get`` and so must ask itself.
-        The scan is guarded by kombu's Redis mutex, so workers can all call it.
-        """
-        channel = self.channel
+    def heartbeat(self) -> None:
+        """Say this worker is alive (before its first fetch, then every second)."""
+        self._beat(keys=[self.settings.heartbeats_key], args=[self.worker_name], client=self.channel.client)
+
+    def _heartbeat(self) -> None:
         try:
-            channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
+            self.heartbeat()
+        except self.channel.connection_errors:
+            pass  # broken connection: the consumer reconnects, the next beat retries
+
+    def _return_dead_owners_messages(self) -> None:
+        """Put back, at the head of their queues, messages fetched by workers that are gone.
+
+        kombu restores an unacked message only after ``visibility_timeout``
+        (an hour by default), and scans every app's unacked messages in the
+        database to do it. Here every fetch records its worker, every worker
+        beats each second, and any live worker returns a message whose
+        worker has been silent for longer than its tier's
+        ``prio_redeliver_after`` (realtime 5 s by default), whatever the
+        visibility timeout: a long task on a live worker is never returned,
+        and only this app's messages are looked at. The message goes back
+        through kombu's own restore (marked redelivered, to the list it came
+        from); the sweep script hands each one to a single sweeper.
+        """
+        channel, settings = self.channel, self.settings
+        limits: list[Any] = []
+        for tier, seconds in settings.redeliver_after.items():
+            limits += [tier.label, seconds]
+        try:
+            tags = self._sweep(
+                keys=[settings.owners_key, settings.heartbeats_key],
+                args=[self.worker_name, SWEEP_BATCH, *limits],
+                client=channel.client,
+            )
+            for tag in tags:
+                channel.qos.restore_by_tag(_text(tag), client=channel.client, leftmost=False)
         except channel.connection_errors:
-            pass  # broken connection: the consumer reconnects, the next round retries
+            return  # what this sweep took but did not restore is taken again after 10 s (by any worker)
+        if tags:
+            logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", len(tags))
+            self.returned += len(tags)
 
     def _share_estimates(self) -> None:
         """Run-time estimates of the queues inside the tiers, shared by the fleet (shortest-job-first order).

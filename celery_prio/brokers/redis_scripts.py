@@ -171,15 +171,18 @@ FETCH_DEAD_BUDGET = 100
 #: unacked, in one round trip and atomically (kombu does RPOP, then a second
 #: call to record it: a crash in between loses the message). An element that
 #: is not a kombu envelope is moved to the dead list with its reason instead.
+#: The fetching worker is recorded as the message's owner (``<prefix>.owners``:
+#: tag -> worker|tier|fetched at, Redis time), so that when the worker is gone
+#: any live worker can return the message at once (``SWEEP_DEAD_OWNERS``).
 #: KEYS: the lists in preference order, then the unacked hash, its index,
-#: the dead list and the stats hash.
-#: ARGV: now, then one tier label per list.
+#: the dead list, the stats hash and the owners hash.
+#: ARGV: now, then one tier label per list, then the worker's name.
 #: Returns {position of the list (1-based), message}, {0, n dead-lettered}
 #: when it stopped at its dead-letter budget, or nil when all are empty.
 FETCH = (
     DEAD_ENTRY
     + """
-local n = #KEYS - 4
+local n = #KEYS - 5
 local dead = 0
 for i = 1, n do
   while true do
@@ -212,6 +215,9 @@ for i = 1, n do
       -- to whatever its own delivery_info names: that is data, not an address.
       redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
       redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',"",' .. cjson.encode(KEYS[i]) .. ']')
+      local t = redis.call('TIME')
+      local fetched = t[1] .. '.' .. string.format('%06d', t[2])
+      redis.call('HSET', KEYS[n + 5], tag, ARGV[n + 2] .. '|' .. ARGV[1 + i] .. '|' .. fetched)
       redis.call('RPOP', KEYS[i])
       return {i, raw}
     end
@@ -332,4 +338,51 @@ for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
   end
 end
 return 0
+"""
+
+#: A worker says it is alive: ``HSET <prefix>.heartbeats <worker> <Redis time>``.
+#: KEYS: heartbeats hash. ARGV: worker name.
+HEARTBEAT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], ARGV[1], t[1] .. '.' .. string.format('%06d', t[2]))
+return 1
+"""
+
+#: The messages of workers that are gone: owned by a worker whose last
+#: heartbeat (or, with none, whose fetch) is older than the message's tier
+#: allows. Each one found is taken over by the caller (its owner rewritten
+#: to ``sweeper:<ARGV[1]>``) so that two sweepers never return one message
+#: twice; the caller then restores it through kombu (which forgets the
+#: owner). One taken but not restored within 10 s is taken again. Only this app's owners hash is
+#: read: other apps' unacked messages are never touched.
+#: KEYS: owners hash, heartbeats hash. ARGV: the sweeping worker, the most
+#: to take, then pairs of (tier label, seconds). Returns the tags taken.
+SWEEP_DEAD_OWNERS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local limits = {}
+for i = 3, #ARGV, 2 do limits[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local most = tonumber(ARGV[2])
+local owners = redis.call('HGETALL', KEYS[1])
+local taken = {}
+for i = 1, #owners, 2 do
+  if #taken >= most then break end
+  local tag, owner = owners[i], owners[i + 1]
+  local worker, tier, fetched = string.match(owner, '^(.*)|([^|]*)|([^|]*)$')
+  local limit = limits[tier or ''] or limits['batch']
+  local due = false
+  if worker and limit then
+    if string.sub(worker, 1, 8) == 'sweeper:' then
+      due = now - (tonumber(fetched) or 0) > 10  -- taken by a sweeper that did not finish: take it again
+    else
+      local beat = tonumber(redis.call('HGET', KEYS[2], worker) or '')
+      due = now - (beat or tonumber(fetched) or 0) > limit
+    end
+  end
+  if due then
+    redis.call('HSET', KEYS[1], tag, 'sweeper:' .. ARGV[1] .. '|' .. tier .. '|' .. now)
+    taken[#taken + 1] = tag
+  end
+end
+return taken
 """

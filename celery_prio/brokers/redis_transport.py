@@ -23,7 +23,48 @@ from .publishing import BulkSession, fast_json
 from .redis_scripts import BULK_PUSH, GUARDED_PUSH
 
 
+class QoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation, aware of message owners (prompt recovery, ``RedisFetchSource``).
+
+    A settled message's owner record goes with it. kombu's visibility-timeout
+    restore (which every Redis worker runs) skips messages that have an owner:
+    a live owner's long task is never run twice because it is long, and a
+    dead owner's messages are returned sooner by the owner sweep. Messages
+    without one (fetched by plain kombu consumers) are restored as kombu does.
+    """
+
+    @property
+    def _owners_key(self) -> str | None:
+        return self.channel.connection.client.transport_options.get("prio_owners_key")
+
+    def _remove_from_indices(self, delivery_tag, pipe=None):
+        pipe = super()._remove_from_indices(delivery_tag, pipe)
+        return pipe.hdel(self._owners_key, delivery_tag) if self._owners_key else pipe
+
+    def restore_visible(self, start=0, num=10, interval=10):
+        owners = self._owners_key
+        if owners is None:
+            return super().restore_visible(start, num, interval)
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return None
+        with self.channel.conn_or_acquire() as client:
+            ceil = time.time() - self.visibility_timeout
+            try:
+                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    visible = client.zrange(
+                        self.unacked_index_key, ceil, 0, desc=True, byscore=True, offset=num and start, num=num
+                    )
+                    for tag in visible or []:
+                        if not client.hexists(owners, tag):
+                            self.restore_by_tag(tag, client)
+            except kombu_redis.MutexHeld:
+                pass
+        return None
+
+
 class Channel(kombu_redis.Channel):
+    QoS = QoS
     _guarded_push = None
 
     def _put(self, queue: str, message: dict, **kwargs: Any) -> None:
