@@ -67,12 +67,6 @@ class FleetCollector:
 
 
 def serve_fleet_metrics(app: Any, settings: PrioSettings, host: str, port: int) -> FleetCollector:
-    try:
-        from prometheus_client import CollectorRegistry, start_http_server
-    except ImportError:
-        raise RuntimeError("prio exporter needs prometheus_client: pip install 'celery-prio[ops]'") from None
-    registry = CollectorRegistry()
-    collector = FleetCollector(app, settings)
-    registry.register(collector)
-    start_http_server(port, addr=host, registry=registry)
-    return collector
+    from .metrics import serve_collector
+
+    return serve_collector(FleetCollector(app, settings), host, port, "prio exporter")

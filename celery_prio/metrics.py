@@ -117,15 +117,20 @@ def _tiers():
     return [(t.label, t) for t in TIERS]
 
 
-def serve_metrics(fetcher: Any, app: Any, host: str, port: int) -> Any:
-    """Start the exporter thread; returns the registry (tests read it directly)."""
+def serve_collector(collector: Any, host: str, port: int, needed_by: str) -> Any:
+    """Serve one collector's ``/metrics`` from a thread of this process; returns the collector."""
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
-        raise RuntimeError("prio_metrics_port needs prometheus_client: pip install 'celery-prio[ops]'") from None
+        raise RuntimeError(f"{needed_by} needs prometheus_client: pip install 'celery-prio[ops]'") from None
     registry = CollectorRegistry()
-    collector = PrioCollector(fetcher, app)
     registry.register(collector)
     start_http_server(port, addr=host, registry=registry)
+    return collector
+
+
+def serve_metrics(fetcher: Any, app: Any, host: str, port: int) -> Any:
+    """Start the exporter thread; returns the collector (tests read it directly)."""
+    collector = serve_collector(PrioCollector(fetcher, app), host, port, "prio_metrics_port")
     logger.info("celery-prio: Prometheus metrics on http://%s:%d/metrics", host, port)
     return collector

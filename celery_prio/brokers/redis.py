@@ -375,7 +375,7 @@ class RedisFetchSource(FetchSource):
             limits += [tier.label, seconds]
         try:
             tags = self._sweep(
-                keys=[settings.owners_key, settings.heartbeats_key],
+                keys=[settings.owners_key, settings.heartbeats_key, settings.owners_key + ".sweep"],
                 args=[self.worker_name, SWEEP_BATCH, *limits],
                 client=channel.client,
             )

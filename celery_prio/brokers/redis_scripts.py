@@ -355,9 +355,12 @@ return 1
 #: twice; the caller then restores it through kombu (which forgets the
 #: owner). One taken but not restored within 10 s is taken again. Only this app's owners hash is
 #: read: other apps' unacked messages are never touched.
-#: KEYS: owners hash, heartbeats hash. ARGV: the sweeping worker, the most
-#: to take, then pairs of (tier label, seconds). Returns the tags taken.
+#: One sweep a second for the whole fleet, not one per worker: the first
+#: worker to take the lock (KEYS[3], ~0.9 s) sweeps, the others return at once.
+#: KEYS: owners hash, heartbeats hash, sweep lock. ARGV: the sweeping worker,
+#: the most to take, then pairs of (tier label, seconds). Returns the tags taken.
 SWEEP_DEAD_OWNERS = """
+if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', 900) then return {} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local limits = {}
