@@ -55,6 +55,8 @@ DEFAULTS: dict[str, Any] = {
     "trace_file": None,
     # Redis: a fetched message whose worker is gone (no heartbeat for this long) goes back to its queue.
     "redeliver_after": {"realtime": 5, "batch": 30, "offline": 60},
+    # Redis: a capped publish returns once this many replicas have it (WAIT); 1 with Sentinel loses none at failover.
+    "wait_replicas": 0,
     "trace_max": 100_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
@@ -157,6 +159,7 @@ class PrioSettings:
     demand_target: dict[Tier, float]
     trace_file: str | None
     redeliver_after: dict[Tier, float]
+    wait_replicas: int
     trace_max: int
     sjf: bool
     sjf_max_wait: float
@@ -427,6 +430,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
+        wait_replicas=_whole("wait_replicas", raw["wait_replicas"]),
         redeliver_after={
             t: _number(f"redeliver_after[{t.label}]", v, minimum=MIN_REDELIVER_AFTER)
             for t, v in _per_tier("redeliver_after", raw["redeliver_after"], DEFAULTS["redeliver_after"]).items()

@@ -66,10 +66,10 @@ def _clean_test_db():
 class PrioEnv:
     """One test's broker, queue prefix, client app and workers."""
 
-    def __init__(self, kind: str, tmp_path: Path) -> None:
+    def __init__(self, kind: str, tmp_path: Path, broker: str | None = None) -> None:
         self.kind = kind
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
-        self.broker = BROKERS[kind]
+        self.broker = broker or BROKERS[kind]
         self.backend = REDIS_URL
         self.tmp_path = tmp_path
         self.workers: list[WorkerProcess] = []

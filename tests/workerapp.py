@@ -34,7 +34,15 @@ def make_app(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         result_expires=600,
-        broker_transport_options={"visibility_timeout": visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout,
+            # sentinel:// brokers name the group whose master carries the queues (tests/test_sentinel.py).
+            **(
+                {"master_name": os.environ.get("PRIO_TEST_SENTINEL_MASTER", "prio-master")}
+                if broker.startswith("sentinel")
+                else {}
+            ),
+        },
     )
     if not plain:
         celery_prio.install(app, queue_prefix=prefix, **(settings or {}))

@@ -23,6 +23,7 @@ from ..tiers import TIERS, Tier
 logger = logging.getLogger(__name__)
 
 REDIS_TRANSPORT_PATH = "celery_prio.brokers.redis_transport:Transport"
+SENTINEL_PATH = "celery_prio.brokers.redis_transport:SentinelTransport"
 
 
 class Publishing:
@@ -187,11 +188,6 @@ class RedisPublishing(Publishing):
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
         use_capped_redis_transport()
-        if (app.conf.broker_url or "").startswith("sentinel://"):
-            logger.warning(
-                "celery-prio: prio_max_length is not enforced on sentinel:// brokers "
-                "(kombu's Sentinel transport keeps its own publish)"
-            )
         options["prio_caps"] = {
             settings.queue_name(t): [cap, settings.overflow[t], t.label]
             for t, cap in settings.max_length.items()
@@ -206,6 +202,7 @@ class RedisPublishing(Publishing):
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
         options["prio_owners_key"] = settings.owners_key
+        options["prio_wait_replicas"] = settings.wait_replicas
         # This app's in-flight messages in keys of its own: kombu's visibility-timeout restore (which
         # every Redis worker runs) then scans only them, never another app's messages in the same db.
         for name in ("unacked_key", "unacked_index_key", "unacked_mutex_key"):
@@ -329,9 +326,9 @@ def use_capped_redis_transport() -> None:
     """
     from kombu import transport
 
-    for name in ("redis", "rediss"):
-        if transport.TRANSPORT_ALIASES.get(name) != REDIS_TRANSPORT_PATH:
-            transport.TRANSPORT_ALIASES[name] = REDIS_TRANSPORT_PATH
+    for name, path in (("redis", REDIS_TRANSPORT_PATH), ("rediss", REDIS_TRANSPORT_PATH), ("sentinel", SENTINEL_PATH)):
+        if transport.TRANSPORT_ALIASES.get(name) != path:
+            transport.TRANSPORT_ALIASES[name] = path
             transport._transport_cache.pop(name, None)  # a class resolved before install()
 
 

@@ -105,6 +105,32 @@ class Channel(kombu_redis.Channel):
             if not accepted:
                 rate = drain_rate(client, options["prio_stats_key"], tier)
                 raise QueueFull.from_drain_rate(parse_tier(tier), int(depth), rate)
+            wait_for_replicas(client, options)
+
+
+def wait_for_replicas(client: Any, options: dict) -> None:
+    """``prio_wait_replicas``: return only once that many replicas have the write (Sentinel failover loses none).
+
+    Redis replicates asynchronously: a failover can drop writes the old master
+    acknowledged but had not passed on. ``WAIT`` closes that window for the
+    publish it follows; too few replicas in time raise ``NotReplicated`` (the
+    message is on the master: a retry may publish it twice, never zero times).
+    """
+    replicas = options.get("prio_wait_replicas") or 0
+    if replicas:
+        got = int(client.execute_command("WAIT", replicas, WAIT_REPLICAS_MS))
+        if got < replicas:
+            raise NotReplicated(
+                f"celery-prio: {got} of {replicas} replica(s) confirmed the publish in {WAIT_REPLICAS_MS} ms"
+            )
+
+
+#: How long a publish waits for its replicas (``prio_wait_replicas``).
+WAIT_REPLICAS_MS = 1000
+
+
+class NotReplicated(Exception):
+    """A publish the master took but fewer replicas than ``prio_wait_replicas`` confirmed in time."""
 
 
 def cap_rule(options: dict, queue: str) -> list | None:
@@ -146,6 +172,14 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The same capped publish and owner-aware QoS, on the master that Redis Sentinel names (``sentinel://``)."""
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 class RedisBulkSession(BulkSession):
     """A chunk is one script call: pushed under the cap atomically, the refused tail reported."""
 
@@ -169,6 +203,7 @@ class RedisBulkSession(BulkSession):
                 *payloads,
             ],
         )
+        wait_for_replicas(self.client, self.channel.connection.client.transport_options)
         return [i < accepted for i in range(len(messages))]
 
     def _envelope(self, message: Any) -> str:
