@@ -103,6 +103,16 @@ def _number(name: str, value: Any, *, minimum: float, inclusive: bool = True) ->
     return float(value)
 
 
+def _per_tier_numbers(
+    name: str, raw: Mapping[str, Any], *, minimum: float, inclusive: bool = True
+) -> dict[Tier, float]:
+    """A per-tier setting whose every value is a number (``prio_<name>[<tier>]`` named in errors)."""
+    return {
+        t: _number(f"{name}[{t.label}]", v, minimum=minimum, inclusive=inclusive)
+        for t, v in _per_tier(name, raw[name], DEFAULTS[name]).items()
+    }
+
+
 def _whole(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"prio_{name} must be a whole number >= 0, got {value!r}")
@@ -431,15 +441,9 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
         wait_replicas=_whole("wait_replicas", raw["wait_replicas"]),
-        redeliver_after={
-            t: _number(f"redeliver_after[{t.label}]", v, minimum=MIN_REDELIVER_AFTER)
-            for t, v in _per_tier("redeliver_after", raw["redeliver_after"], DEFAULTS["redeliver_after"]).items()
-        },
+        redeliver_after=_per_tier_numbers("redeliver_after", raw, minimum=MIN_REDELIVER_AFTER),
         trace_max=_whole("trace_max", raw["trace_max"]),
-        demand_target={
-            t: _number(f"demand_target[{t.label}]", v, minimum=0, inclusive=False)
-            for t, v in _per_tier("demand_target", raw["demand_target"], DEFAULTS["demand_target"]).items()
-        },
+        demand_target=_per_tier_numbers("demand_target", raw, minimum=0, inclusive=False),
         sjf=_flag("sjf", raw["sjf"]),
         sjf_max_wait=_number("sjf_max_wait", raw["sjf_max_wait"], minimum=0, inclusive=False),
         max_length=max_length,
