@@ -23,6 +23,7 @@ from .headers import PROMOTED_SUFFIX
 from .tiers import TIERS, Tier, parse_tier
 
 OVERFLOW_POLICIES = ("reject", "drop_oldest")
+QUEUE_TYPES = ("classic", "quorum")  # RabbitMQ's; Celery's task_default_queue_type takes the same two
 #: Workers beat every second: a worker is taken for gone only after missing a few beats.
 MIN_REDELIVER_AFTER = 2.0
 SCHEDULER_MODES = ("time", "count")
@@ -57,6 +58,9 @@ DEFAULTS: dict[str, Any] = {
     "redeliver_after": {"realtime": 5, "batch": 30, "offline": 60},
     # Redis: a capped publish returns once this many replicas have it (WAIT); 1 with Sentinel loses none at failover.
     "wait_replicas": 0,
+    # RabbitMQ: "classic" or "quorum" (replicated) tier, front-lane, sub-queue and dead-letter queues.
+    # None: Celery's task_default_queue_type.
+    "queue_type": None,
     "trace_max": 100_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
@@ -131,6 +135,15 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _queue_type(value: Any, conf: Mapping[str, Any]) -> str:
+    source = "prio_queue_type"
+    if value is None:
+        value, source = conf.get("task_default_queue_type") or "classic", "task_default_queue_type"
+    if value not in QUEUE_TYPES:
+        raise ConfigError(f"{source} must be one of {QUEUE_TYPES}, got {value!r}")
+    return value
+
+
 def _caps(name: str, value: Any) -> dict[Tier, int | None]:
     caps: dict[Tier, int | None] = {}
     for t, v in _per_tier(name, value, DEFAULTS[name]).items():
@@ -170,6 +183,7 @@ class PrioSettings:
     trace_file: str | None
     redeliver_after: dict[Tier, float]
     wait_replicas: int
+    queue_type: str
     trace_max: int
     sjf: bool
     sjf_max_wait: float
@@ -418,9 +432,14 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
 
     management_url = raw["management_url"]
     if management_url is not None and (
-        not isinstance(management_url, str) or not management_url.startswith(("http://", "https://"))
+        not isinstance(management_url, str)
+        or not management_url.strip()
+        or not all(u.strip().startswith(("http://", "https://")) for u in management_url.split(";") if u.strip())
     ):
-        raise ConfigError(f"prio_management_url must be an http:// or https:// URL or None, got {management_url!r}")
+        raise ConfigError(
+            f"prio_management_url must be an http:// or https:// URL (several, ';'-separated, for a cluster) "
+            f"or None, got {management_url!r}"
+        )
 
     if raw["idle_share"] not in IDLE_SHARE_RULES:
         raise ConfigError(f"prio_idle_share must be one of {IDLE_SHARE_RULES}, got {raw['idle_share']!r}")
@@ -441,6 +460,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
         wait_replicas=_whole("wait_replicas", raw["wait_replicas"]),
+        queue_type=_queue_type(raw["queue_type"], conf),
         redeliver_after=_per_tier_numbers("redeliver_after", raw, minimum=MIN_REDELIVER_AFTER),
         trace_max=_whole("trace_max", raw["trace_max"]),
         demand_target=_per_tier_numbers("demand_target", raw, minimum=0, inclusive=False),

@@ -151,6 +151,19 @@ def test_route_patterns():
             ("https://mgmt.example:443/rmq", "/", ("ops", "s3cret")),
         ),
         ("amqp://u:p@rabbit//", "https://mgmt.example", False, ("https://mgmt.example", "/", ("u", "p"))),
+        # a cluster: every failover host, once, in order; or the URLs given, credentials from the first naming any
+        (
+            "amqp://u:p@r1:5672//;amqp://u:p@r2:5672//;amqp://u:p@r1:5673//",
+            None,
+            False,
+            ("http://r1:15672;http://r2:15672", "/", ("u", "p")),
+        ),
+        (
+            "amqp://u:p@r1//",
+            "http://m1:15672; http://ops:pw@m2:15672/",
+            False,
+            ("http://m1:15672;http://m2:15672/", "/", ("ops", "pw")),
+        ),
     ],
 )
 def test_management_endpoint_follows_the_broker_tls_and_never_defaults_credentials(

@@ -6,6 +6,11 @@ becomes ``QueueFull``) or ``drop-head`` (the oldest is dead-lettered into the
 ``<prefix>.dead`` queue, RabbitMQ's ``x-death`` header giving reason, queue
 and time); ``x-message-ttl`` = the aging threshold, the expired message
 dead-lettered into the tier above. See ``queue_arguments``.
+
+``prio_queue_type = "quorum"`` declares the same queues as quorum queues
+(replicated over the cluster, RabbitMQ >= 3.10 for message TTL): the same
+arguments, with ``at-least-once`` dead-lettering wherever RabbitMQ allows it
+(see ``quorum_arguments``).
 """
 
 from __future__ import annotations
@@ -59,7 +64,44 @@ def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) 
         args["x-message-ttl"] = aging_ttl(settings, tier)
     if "x-message-ttl" in args or args.get("x-overflow") == "drop-head":
         args["x-dead-letter-exchange"] = dead_letter_exchange(settings, tier)
-    return args or None
+    return quorum_arguments(settings, args, dead_letter_exchange(settings, tier)) or None
+
+
+def quorum_arguments(settings: PrioSettings, args: dict[str, Any], dlx: str | None = None) -> dict[str, Any]:
+    """``args`` for the queue type ``prio_queue_type`` names (classic: as they are).
+
+    A quorum queue always dead-letters into ``dlx`` (its tier's exchange):
+    a message redelivered past the queue's delivery limit then reaches the
+    dead letters instead of vanishing.
+
+    A quorum queue dead-letters (aging, ``drop_oldest``) ``at-least-once``
+    where RabbitMQ can: the message stays in its queue until the queue it
+    moves to has confirmed it, so a promotion survives a node loss (RabbitMQ
+    needs ``reject-publish`` overflow for that, set on uncapped queues too,
+    where it changes nothing). A ``drop_oldest`` queue stays ``at-most-once``
+    (RabbitMQ's only choice with ``drop-head``): an eviction or promotion
+    whose destination cannot take it at that moment (its leader being
+    elected, say) is dropped. Use ``reject`` there for at-least-once.
+
+    RabbitMQ's quorum queues refuse a publish only once they are *over*
+    ``x-max-length`` (measured on 3.10: a limit of N holds N + 1 when each
+    publish waits for its confirm), so a ``reject`` cap of N is declared as
+    N - 1, and the queue then holds exactly N.
+    """
+    if settings.queue_type != "quorum":
+        return args
+    args = {"x-queue-type": "quorum", **args}
+    if dlx is not None:
+        args.setdefault("x-dead-letter-exchange", dlx)
+    if args.get("x-overflow") == "reject-publish":
+        args["x-max-length"] -= 1
+    if "x-dead-letter-exchange" in args:
+        if args.get("x-overflow") == "drop-head":
+            args["x-dead-letter-strategy"] = "at-most-once"
+        else:
+            args["x-overflow"] = "reject-publish"
+            args["x-dead-letter-strategy"] = "at-least-once"
+    return args
 
 
 def promoted_queue(settings: PrioSettings, tier: Tier) -> str:
@@ -100,7 +142,7 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     Returns the channel to go on with (a new one if that happened).
     """
     dead = settings.dead_letter_queue
-    channel.queue_declare(queue=dead, durable=True, auto_delete=False)
+    channel.queue_declare(queue=dead, durable=True, auto_delete=False, arguments=quorum_arguments(settings, {}))
     for tier in TIERS:  # every tier queue: aging routes into the one above
         name = settings.queue_name(tier)
         args = queue_arguments(settings, tier)
@@ -110,7 +152,8 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
         except PreconditionFailed as exc:
             logger.error(
                 "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow/"
-                "prio_aging ask for (%s): %s. Using the queue as it is. To apply the new settings, drain "
+                "prio_aging/prio_queue_type ask for (%s): %s. Using the queue as it is. To apply the new "
+                "settings (a queue's type can never change), drain "
                 "and delete the queue, or set a RabbitMQ policy "
                 "(rabbitmqctl set_policy ... '{\"max-length\": N}').",
                 name,
@@ -125,12 +168,15 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     for tier in TIERS:
         dlx = dead_letter_exchange(settings, tier)
         channel.exchange_declare(exchange=dlx, type="headers", durable=True, auto_delete=False)
-        channel.queue_bind(
-            queue=dead,
-            exchange=dlx,
-            routing_key="",
-            arguments={"x-match": "all-with-x", "x-first-death-reason": "maxlen"},
-        )
+        # maxlen: evicted by drop_oldest. delivery_limit: a quorum queue gave up on a message redelivered
+        # too often (RabbitMQ 4 sets a limit of 20 by default); dead letters, not dropped unrouted.
+        for reason in ("maxlen", "delivery_limit"):
+            channel.queue_bind(
+                queue=dead,
+                exchange=dlx,
+                routing_key="",
+                arguments={"x-match": "all-with-x", "x-first-death-reason": reason},
+            )
         if aging_ttl(settings, tier) is not None:
             channel.queue_bind(
                 queue=promoted_queue(settings, tier.promoted()),
@@ -151,8 +197,9 @@ def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str
 def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
     """``<tier>.promoted``: uncapped (what enters it was admitted already); ages on like its tier."""
     ttl = aging_ttl(settings, tier)
-    args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, tier)} if ttl else None
-    return _declare_as_is(channel, promoted_queue(settings, tier), args)
+    args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, tier)} if ttl else {}
+    args = quorum_arguments(settings, args, dead_letter_exchange(settings, tier))
+    return _declare_as_is(channel, promoted_queue(settings, tier), args or None)
 
 
 def _declare_as_is(channel: Any, name: str, args: dict[str, Any] | None) -> Any:
@@ -589,6 +636,24 @@ class AmqpBulkSession(BulkSession):
         self._nacked.update(self._settle(delivery_tag, multiple))
 
     def publish(self, messages: list[Any]) -> list[bool]:
+        sent = messages[: self._room(len(messages))]
+        return self._publish(sent) + [False] * (len(messages) - len(sent))
+
+    def _room(self, wanted: int) -> int:
+        """How many of a chunk to send: all of it, except into a capped quorum queue.
+
+        A quorum queue enforces its cap only after the fact (see
+        ``quorum_arguments``): a chunk in flight together would overshoot it
+        by up to the chunk. So the depth is read first and only what fits is
+        sent; at the cap, one, for RabbitMQ to decide (another process may
+        have drained it since the depth was read).
+        """
+        if self.settings.queue_type != "quorum" or self.cap is None or self.settings.overflow[self.tier] != "reject":
+            return wanted
+        depth = self.channel.queue_declare(queue=self.queue, passive=True).message_count
+        return min(wanted, max(1, self.cap - depth))
+
+    def _publish(self, messages: list[Any]) -> list[bool]:
         first = self._next_tag
         for message in messages:
             # py-amqp's non-waiting publish: the confirms are collected below, per chunk.

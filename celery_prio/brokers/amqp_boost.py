@@ -249,7 +249,11 @@ def fleet_size(channel: Any, settings: PrioSettings) -> int:
 
 def join_fleet(channel: Any, settings: PrioSettings) -> None:
     """Count this worker in the fleet for as long as ``channel``'s connection is up."""
-    channel.queue_declare(queue=fleet_name(settings), durable=True, auto_delete=False)
+    from .amqp import quorum_arguments
+
+    # Quorum with the tier queues: on a cluster the count survives the loss of any one node.
+    args = quorum_arguments(settings, {}) or None
+    channel.queue_declare(queue=fleet_name(settings), durable=True, auto_delete=False, arguments=args)
     channel.basic_consume(queue=fleet_name(settings), no_ack=True, callback=lambda message: None)
 
 

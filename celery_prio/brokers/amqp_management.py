@@ -4,7 +4,10 @@ Where it is: ``prio_management_url`` when set (``https://user:pass@host:15671``)
 else the broker's host over HTTPS on 15671 when the broker URL is ``amqps://``
 and over HTTP on 15672 otherwise. Credentials come from that URL, or from the
 broker URL when it names them; never from a default (no guest fallback), and
-never over plain HTTP to a broker reached over TLS.
+never over plain HTTP to a broker reached over TLS. A cluster has one API per
+node, each answering for the whole cluster: a ``;``-separated
+``prio_management_url``, or a broker URL with failover hosts, gives several,
+tried in turn (the next one when the one in use stops answering).
 
 One client per (URL, credentials) in a process, one kept-alive connection,
 and a short cache: a burst of refusals costs one request per queue per
@@ -32,11 +35,9 @@ TIMEOUT_SECONDS = 0.3
 
 class ManagementClient:
     def __init__(self, base_url: str, vhost: str, auth: tuple[str, str] | None) -> None:
-        parts = urllib.parse.urlsplit(base_url)
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname or "localhost"
-        self.port = parts.port or (15671 if self.https else 15672)
-        self.path = parts.path.rstrip("/")
+        """``base_url``: one endpoint, or several separated by ``;`` (a cluster's nodes)."""
+        self.endpoints = [_endpoint(url.strip()) for url in base_url.split(";") if url.strip()]
+        self._current = 0
         self.vhost = vhost
         self.headers = {"Accept": "application/json"}
         if auth is not None:
@@ -46,10 +47,15 @@ class ManagementClient:
         self._cache: dict[str, tuple[float, float]] = {}
         self.requests = 0  # tests and benchmarks read it
 
+    @property
+    def path(self) -> str:
+        return self.endpoints[self._current][3]
+
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self._conn = cls(self.host, self.port, timeout=TIMEOUT_SECONDS)
+            https, host, port, _ = self.endpoints[self._current]
+            cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+            self._conn = cls(host, port, timeout=TIMEOUT_SECONDS)
         return self._conn
 
     def drain_rate(self, queue: str) -> float:
@@ -83,7 +89,7 @@ class ManagementClient:
                     "columns": "name,messages_ready",
                 }
             )
-            data = self._get_json(f"{self.path}/api/queues/{vhost}?{query}")
+            data = self._get_json(f"/api/queues/{vhost}?{query}")
             if not isinstance(data, dict) or not isinstance(data.get("items"), list):
                 return None
             for item in data["items"]:
@@ -95,12 +101,17 @@ class ManagementClient:
         return out
 
     def _get_json(self, path: str) -> Any:
-        """The decoded JSON body of a GET (None for any failure or a status other than 200). Caller holds the lock."""
-        for attempt in range(2):  # a kept-alive connection the server closed: reconnect once
+        """The decoded JSON body of a GET (None for any failure or a status other than 200). Caller holds the lock.
+
+        ``path`` is relative to the endpoint's own path. A kept-alive
+        connection the server closed is reopened once; an endpoint that does
+        not answer gives way to the next.
+        """
+        for attempt in range(len(self.endpoints) + 1):
             try:
                 conn = self._connection()
                 self.requests += 1
-                conn.request("GET", path, headers=self.headers)
+                conn.request("GET", self.path + path, headers=self.headers)
                 response = conn.getresponse()
                 body = response.read()
                 return json.loads(body) if response.status == 200 else None
@@ -108,13 +119,13 @@ class ManagementClient:
                 if self._conn is not None:
                     self._conn.close()
                 self._conn = None
-                if attempt:
-                    return None
+                if attempt:  # the first retry is the same endpoint (a closed keep-alive), then the others
+                    self._current = (self._current + 1) % len(self.endpoints)
         return None
 
     def _fetch_rate(self, queue: str) -> float:
         vhost, name = urllib.parse.quote(self.vhost, safe=""), urllib.parse.quote(queue, safe="")
-        data = self._get_json(f"{self.path}/api/queues/{vhost}/{name}")
+        data = self._get_json(f"/api/queues/{vhost}/{name}")
         try:
             stats = data.get("message_stats") or {}
             return float((stats.get("deliver_get_details") or {}).get("rate") or 0.0)
@@ -126,11 +137,22 @@ _clients: dict[tuple[str, str, tuple[str, str] | None], ManagementClient] = {}
 _clients_lock = threading.Lock()
 
 
+def _endpoint(url: str) -> tuple[bool, str, int, str]:
+    """``(https, host, port, path)`` of one management base URL."""
+    parts = urllib.parse.urlsplit(url)
+    https = parts.scheme == "https"
+    return https, parts.hostname or "localhost", parts.port or (15671 if https else 15672), parts.path.rstrip("/")
+
+
 def management_endpoint(
     broker_url: str, management_url: str | None, tls: bool = False
 ) -> tuple[str, str, tuple[str, str] | None]:
-    """``(base URL without credentials, vhost, credentials or None)``. Pure: no connection made."""
-    broker = url_to_parts(broker_url.split(";")[0].strip())
+    """``(base URL(s) without credentials, vhost, credentials or None)``. Pure: no connection made.
+
+    Several base URLs (a cluster) come back ``;``-separated, in the order given.
+    """
+    brokers = [url_to_parts(url.strip()) for url in broker_url.split(";") if url.strip()]
+    broker = brokers[0]
     vhost = broker.path or "/"
     broker_auth = (
         (urllib.parse.unquote(broker.username), urllib.parse.unquote(broker.password or ""))
@@ -138,19 +160,20 @@ def management_endpoint(
         else None
     )
     if management_url:
-        parts = urllib.parse.urlsplit(management_url)
-        auth = (
-            (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
-            if parts.username
-            else None
-        )
-        netloc = parts.hostname or "localhost"
-        if parts.port:
-            netloc += f":{parts.port}"
-        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")), vhost, auth or broker_auth
+        bases, auth = [], None
+        for url in (u.strip() for u in management_url.split(";") if u.strip()):
+            parts = urllib.parse.urlsplit(url)
+            if auth is None and parts.username:
+                auth = (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+            netloc = parts.hostname or "localhost"
+            if parts.port:
+                netloc += f":{parts.port}"
+            bases.append(urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")))
+        return ";".join(bases), vhost, auth or broker_auth
     tls = tls or broker.scheme == "amqps"
     scheme, port = ("https", 15671) if tls else ("http", 15672)
-    return f"{scheme}://{broker.hostname or 'localhost'}:{port}", vhost, broker_auth
+    hosts = list(dict.fromkeys(b.hostname or "localhost" for b in brokers))  # failover hosts, once each
+    return ";".join(f"{scheme}://{host}:{port}" for host in hosts), vhost, broker_auth
 
 
 def management_client(app: Any, settings: Any) -> ManagementClient:

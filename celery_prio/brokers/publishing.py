@@ -280,6 +280,10 @@ class AmqpPublishing(Publishing):
             # A full reject-publish queue only tells a publisher that uses confirms
             # (one broker round trip per publish: the price of never losing one).
             options["confirm_publish"] = True
+        if settings.queue_type == "quorum":
+            # Replicated queues are chosen so that nothing accepted is lost: a publish is accepted when
+            # a majority of the queue's nodes have it, which only a confirm tells.
+            options["confirm_publish"] = True
 
     def before_send(self, app: Any, settings: PrioSettings) -> None:
         if not self._declared.is_set():
