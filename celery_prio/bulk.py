@@ -143,17 +143,36 @@ def publish_calls(
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=3)
         session = app._celery_prio_publishing.bulk_session(app, connection, settings, tier, subqueue)
+        # One chunk in flight: the next one is built and encoded while the broker takes the last,
+        # and sent only once the last is known to be in whole (nothing is sent after a refusal).
+        in_flight: tuple[Any, int] | None = None  # (the session's ticket, how many items it carries)
+
+        def settle() -> None:
+            nonlocal in_flight, published
+            if in_flight is None:
+                return
+            ticket, count = in_flight
+            in_flight = None
+            accepted = session.collect(ticket)
+            if not all(accepted):
+                ids = [f"{base}-{published + i}" for i, ok in enumerate(accepted) if ok]
+                done = BulkResult(app, base, published)
+                raise BulkQueueFull(session.queue_full(len(ids)), [*done, *ids])
+            published += count
+
         while batch := list(itertools.islice(items, chunk)):
             stamp = time.time()
+            first = published + (in_flight[1] if in_flight else 0)  # this chunk's first position
             messages = []
             for offset, (args, kwargs) in enumerate(batch):
                 if not isinstance(args, (list, tuple)):
+                    settle()  # what is in flight is in (or refused) before the error says how much went in
                     sent = f"{base}-0 .. {base}-{published - 1}" if published else "none"
                     raise TypeError(
-                        f"item {published + offset} of bulk(): args must be a list or tuple, got {args!r} "
+                        f"item {first + offset} of bulk(): args must be a list or tuple, got {args!r} "
                         f"(published before it: {published} items, ids {sent})"
                     )
-                task_id = f"{base}-{published + offset}"
+                task_id = f"{base}-{first + offset}"
                 headers = {
                     **template.headers,
                     "id": task_id,
@@ -163,13 +182,11 @@ def publish_calls(
                     ENQUEUED_HEADER: stamp,
                 }
                 if group_id is not None:
-                    headers["group_index"] = published + offset
+                    headers["group_index"] = first + offset
                 properties = {**template.properties, "correlation_id": task_id}
                 messages.append(TaskMessage(headers, properties, (args, kwargs, embed)))
-            accepted = session.publish(messages)
-            if not all(accepted):
-                ids = [f"{base}-{published + i}" for i, ok in enumerate(accepted) if ok]
-                done = BulkResult(app, base, published)
-                raise BulkQueueFull(session.queue_full(len(ids)), [*done, *ids])
-            published += len(batch)
+            encoded = session.encode(messages)
+            settle()
+            in_flight = (session.send(encoded), len(batch))
+        settle()
     return BulkResult(app, base, published, group_id=group_id)

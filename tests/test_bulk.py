@@ -123,3 +123,39 @@ def test_bulk_into_a_subqueue_honours_its_cap_and_workers_find_it(env):
     env.wait_for(lambda: env.adapter.depth(queue) == 0, timeout=30, what="the workers to drain the sub-queue")
     with pytest.raises(ValueError, match="sub-queue name"):
         celery_prio.bulk(sleep, [("x", 0)], tier="batch", subqueue="bad name")
+
+
+@pytest.mark.parametrize("body_size", [0, 300, 10_000])  # none, one, and several body frames (frame_max 4096)
+def test_bulk_frames_are_the_bytes_py_amqp_sends(body_size):
+    """Pure: celery_prio's hand-encoded basic.publish frames against py-amqp's own frame writer."""
+    import amqp
+    from amqp import spec
+    from amqp.method_framing import frame_writer
+    from amqp.serialization import dumps
+
+    from celery_prio.brokers.amqp_wire import PublishFrames
+
+    class Sink:  # py-amqp's writer needs a connection's frame_max and a transport's write
+        frame_max = 4096
+        bytes_sent = 0
+
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, data) -> None:
+            self.data += bytes(data)
+
+    properties = {"content_type": "application/json", "content_encoding": "utf-8", "delivery_mode": 2, "priority": 0}
+    properties["reply_to"] = "d3b07384-d9a0-4c1f-9b1a-1c1c1c1c1c1c"
+    shared = {"lang": "py", "task": "t.add", "eta": None, "retries": 0, "timelimit": [None, None], "nested": {"a": 1}}
+    variable = {"id": "abc-7", "root_id": "abc-7", "argsrepr": "(7, 'é')", "prio_enqueued_at": 1.5e9, "group_index": 7}
+    body = ("x" * body_size).encode()
+    frames = PublishFrames(3, Sink.frame_max, "prio.batch", "prio.batch", properties, shared)
+    ours = bytearray()
+    frames.add(ours, body, "abc-7", variable)
+
+    sink = Sink()
+    message = amqp.Message(body, correlation_id="abc-7", application_headers={**shared, **variable}, **properties)
+    args = dumps("Bssbb", (0, "prio.batch", "prio.batch", False, False))
+    frame_writer(sink, sink)(1, 3, spec.Basic.Publish, args, message)
+    assert bytes(ours) == bytes(sink.data)

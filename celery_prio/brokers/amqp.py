@@ -396,6 +396,21 @@ def listed_subqueues(app: Any, settings: PrioSettings) -> list[tuple[str, int | 
     return management_client(app, settings).list_queues(subqueue_pattern(settings))
 
 
+#: At most this many ``basic_get`` in one round trip (queues found empty, then one that had work).
+PIPELINE_MAX = 8
+
+
+def _empty_tiers(asked: list[tuple[Tier, str]], before: Tier | None) -> tuple[Tier, ...]:
+    """Tiers whose every asked queue was empty, up to (not including) the tier a message came from."""
+    out: list[Tier] = []
+    for tier, _ in asked:
+        if tier is before:
+            break
+        if tier not in out:
+            out.append(tier)
+    return tuple(out)
+
+
 class AmqpFetchSource(FetchSource):
     """The worker's RabbitMQ side: ``basic_get`` per queue, guarded.
 
@@ -419,27 +434,48 @@ class AmqpFetchSource(FetchSource):
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
 
     def take(self, order: list[Tier]) -> Take:
+        """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
+
+        Each ``basic_get`` is a round trip, and a busy worker re-asks the
+        queues it found empty every few milliseconds (realtime's among
+        them). So the queues found empty at their last look are asked in
+        the same round trip as the next queue that had work: one round trip
+        per fetch while they stay empty. A message that rode along behind
+        the one taken goes back to its queue (``basic_reject`` with requeue:
+        RabbitMQ puts it back where it was).
+        """
         now = time.monotonic()
-        empty: list[Tier] = []
-        passed: list[str] = []
+        plan: list[tuple[Tier, str]] = []
         for tier in order:
-            asked = False
-            for candidate in self.served.candidates(tier):
-                if self._skip(candidate.name, now):
-                    continue
-                asked = True
-                took, message = self.get(candidate.name)
-                if took and message is None:
-                    return Take(dead_lettered=1, empty=tuple(empty), empty_queues=tuple(passed))
-                if message is not None:
-                    message.accept = self.accept
-                    self._listed_empty.discard(candidate.name)
-                    return Take(tier, message, tuple(empty), 0, candidate.name, tuple(passed))
-                self._empty_at[candidate.name] = now
-                passed.append(candidate.name)
-            if asked:  # a tier whose queues were all skipped is not known to be empty
-                empty.append(tier)
-        return Take(empty=tuple(empty), empty_queues=tuple(passed))
+            plan.extend((tier, c.name) for c in self.served.candidates(tier) if not self._skip(c.name, now))
+        asked: list[tuple[Tier, str]] = []  # found empty, in asking order, before anything was found
+        start = 0
+        while start < len(plan):
+            end = start + 1
+            while end < len(plan) and end - start < PIPELINE_MAX and plan[end - 1][1] in self._empty_at:
+                end += 1
+            window = plan[start:end]
+            start = end
+            found: tuple[Tier, str, Any] | None = None
+            for (tier, name), raw in zip(window, self.get_many([name for _, name in window]), strict=True):
+                if raw is None:
+                    self._empty_at[name] = now
+                    if found is None:
+                        asked.append((tier, name))
+                elif found is None:
+                    found = (tier, name, raw)
+                    self._empty_at.pop(name, None)
+                else:
+                    self.channel.basic_reject(raw.delivery_tag, requeue=True)
+            if found is not None:
+                tier, name, raw = found
+                empty = _empty_tiers(asked, before=tier)
+                message = self._to_python(raw, name)
+                if message is None:
+                    return Take(dead_lettered=1, empty=empty, empty_queues=tuple(n for _, n in asked))
+                self._listed_empty.discard(name)
+                return Take(tier, message, empty, 0, name, tuple(n for _, n in asked))
+        return Take(empty=_empty_tiers(asked, before=None), empty_queues=tuple(n for _, n in asked))
 
     def _skip(self, queue: str, now: float) -> bool:
         """Found empty just now, or (a sub-queue) listed empty by the management API and asked lately."""
@@ -497,20 +533,38 @@ class AmqpFetchSource(FetchSource):
         logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
         return records
 
-    def get(self, queue: str) -> tuple[bool, Any]:
-        """``(took, message)``: ``(False, None)`` empty; ``(True, None)`` one was dead-lettered, ask again."""
-        self.broker_calls += 1
-        raw = self.channel.basic_get(queue=queue, no_ack=False)
-        if raw is None:
-            return False, None
+    def get_many(self, queues: list[str]) -> list[Any]:
+        """One ``basic_get`` per queue, all sent before the first answer is read: one round trip.
+
+        py-amqp answers ``basic_get`` synchronously; its frames are sent here
+        and the answers (``get-ok`` or ``get-empty``, in the order asked)
+        read back one by one with py-amqp's own decoding.
+        """
+        from amqp import spec
+
+        self.broker_calls += len(queues)
+        channel = self.channel
+        if len(queues) == 1:
+            return [channel.basic_get(queue=queues[0], no_ack=False)]
+        for queue in queues:
+            channel.send_method(spec.Basic.Get, "Bsb", (0, queue, False))
+        out = []
+        for _ in queues:
+            reply = channel.wait([spec.Basic.GetOk, spec.Basic.GetEmpty], returns_tuple=True)
+            out.append(channel._on_get_ok(*reply) if reply and len(reply) >= 2 else None)
+        return out
+
+    def _to_python(self, raw: Any, queue: str) -> Any:
+        """kombu's message for ``raw``; one kombu cannot read goes to the dead letters (None)."""
         try:
             message = self.channel.message_to_python(raw)
         except Exception as exc:
             self._publish_dead(raw.body, raw.properties, f"malformed: kombu cannot read it ({exc!r})", queue, None)
             self.channel.basic_ack(raw.delivery_tag)
-            return True, None
+            return None
+        message.accept = self.accept
         message.prio_queue = queue
-        return True, message
+        return message
 
     def queue_depths(self, names: list[str]) -> list[int]:
         # Served queues exist (declared at start or found listed), so a passive declare does not 404.
@@ -534,52 +588,8 @@ class AmqpFetchSource(FetchSource):
         )
 
 
-class _BulkMessage(amqp.Message):
-    """An AMQP message whose header table is mostly encoded once per bulk publish.
-
-    py-amqp encodes the ~20 Celery headers of every message in pure Python,
-    which is most of a bulk publish's time. Here the headers every message of
-    the publish shares are encoded once (``shared_table``) and only the few
-    that differ per message (``VARIABLE_HEADERS``) are encoded here; the wire
-    format is AMQP's own (a field table is a length and its items).
-    """
-
-    shared_table: bytes = b""
-    variable: dict[str, Any] | None = None
-
-    def _serialize_properties(self) -> bytes:
-        from struct import pack
-
-        from amqp.serialization import dumps
-
-        # The properties before the header table and those after it, as (formats, values).
-        flags, shift, before, after = 0, 15, ([], []), ([], [])
-        current = before
-        props = self.properties
-        for key, proptype in self.PROPERTIES:
-            value = props.get(key)
-            if key == "application_headers":
-                flags |= 1 << shift
-                current = after
-            elif value is not None:
-                flags |= 1 << shift
-                current[0].append(proptype.encode())
-                current[1].append(value)
-            shift -= 1
-        items = self.shared_table + dumps(b"F", [self.variable])[4:]
-        return b"".join(
-            (
-                pack(">H", flags),
-                dumps(b"".join(before[0]), before[1]),
-                pack(">I", len(items)),
-                items,
-                dumps(b"".join(after[0]), after[1]),
-            )
-        )
-
-
 class AmqpBulkSession(BulkSession):
-    """A chunk is published with confirms in flight together and collected at the end of the chunk.
+    """A chunk's publishes are written in one go (``amqp_wire``) and their confirms collected together.
 
     One confirm window per chunk instead of one round trip per message. With
     ``reject-publish`` RabbitMQ nacks each message over the cap; the
@@ -599,30 +609,39 @@ class AmqpBulkSession(BulkSession):
         self._nacked: set[int] = set()
         self.channel.events["basic_ack"].add(self._on_ack)
         self.channel.events["basic_nack"].add(self._on_nack)
-        self._shared: tuple[dict[str, Any], bytes, Any, str] | None = None
+        self._frames: Any = None  # amqp_wire.PublishFrames, from the first message
+        self._shared_kwargs: tuple[Any, str] = ({}, "{}")
 
-    def prepare(self, message: Any) -> Any:
-        """The AMQP message for one call; what the calls of this publish share is prepared once."""
+    def prepare(self, message: Any) -> tuple[bytes, str, dict[str, Any]]:
+        """``(body, correlation_id, headers that differ)`` of one call; what the calls share is prepared once."""
         headers = message.headers
-        if self._shared is None:
-            from amqp.serialization import dumps
+        if self._frames is None:
+            from .amqp_wire import PublishFrames
 
             prepared = super().prepare(message)  # kombu's own message, once: its properties and encoding
-            prepared.properties.pop("application_headers")
-            prepared.properties.pop("correlation_id", None)
+            properties = dict(prepared.properties)
+            properties.pop("application_headers")
+            properties.pop("correlation_id", None)
             shared = {k: v for k, v in headers.items() if k not in self.VARIABLE_HEADERS}
-            self._shared = (prepared.properties, dumps(b"F", [shared])[4:], message.body[1], fast_json(message.body[1]))
-        properties, table, shared_kwargs, shared_kwargs_json = self._shared
+            self._frames = PublishFrames(
+                self.channel.channel_id,
+                self.connection.connection.frame_max,
+                self.exchange,
+                self.queue,
+                properties,
+                shared,
+            )
+            self._shared_kwargs = (message.body[1], fast_json(message.body[1]))
+        shared_kwargs, shared_kwargs_json = self._shared_kwargs
         if self.serializer == "json":
             args, kwargs, embed = message.body
             kwargs_json = shared_kwargs_json if kwargs is shared_kwargs else fast_json(kwargs)
-            body = f"[{fast_json(args)}, {kwargs_json}, {fast_json(embed)}]"
+            body: Any = f"[{fast_json(args)}, {kwargs_json}, {fast_json(embed)}]"
         else:
             body = super().prepare(message).body
-        bulk_message = _BulkMessage(body, correlation_id=headers["id"], **properties)
-        bulk_message.shared_table = table
-        bulk_message.variable = {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
-        return bulk_message
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        return body, headers["id"], {k: headers[k] for k in self.VARIABLE_HEADERS if k in headers}
 
     def _settle(self, tag: int, multiple: bool) -> list[int]:
         done = [t for t in self._pending if t <= tag] if multiple else [tag] if tag in self._pending else []
@@ -636,8 +655,41 @@ class AmqpBulkSession(BulkSession):
         self._nacked.update(self._settle(delivery_tag, multiple))
 
     def publish(self, messages: list[Any]) -> list[bool]:
-        sent = messages[: self._room(len(messages))]
-        return self._publish(sent) + [False] * (len(messages) - len(sent))
+        return self.collect(self.send(self.encode(messages)))
+
+    def encode(self, messages: list[Any]) -> tuple[bytearray, list[int]]:
+        """The chunk's frames (``amqp_wire``) and where each message's end in them."""
+        out, ends = bytearray(), []
+        for message in messages:
+            body, correlation_id, variable = self.prepare(message)
+            self._frames.add(out, body, correlation_id, variable)
+            ends.append(len(out))
+        return out, ends
+
+    def send(self, encoded: tuple[bytearray, list[int]]) -> tuple[int, int, int]:
+        """Write what fits of the chunk in one go; ``(first delivery tag, sent, chunk size)``."""
+        out, ends = encoded
+        count = self._room(len(ends))
+        first = self._next_tag
+        if count:
+            amqp_connection = self.connection.connection
+            amqp_connection.transport.write(memoryview(out)[: ends[count - 1]])
+            amqp_connection.bytes_sent += 1  # what py-amqp's heartbeat check counts (writes, not bytes)
+        self._next_tag += count
+        self._pending.update(range(first, self._next_tag))
+        return first, count, len(ends)
+
+    def collect(self, ticket: tuple[int, int, int]) -> list[bool]:
+        """Wait for the confirms of a sent chunk: per message, acked (True) or nacked / not sent (False)."""
+        first, count, size = ticket
+        end = first + count
+        deadline = time.monotonic() + self.CONFIRM_TIMEOUT
+        while self._pending and min(self._pending) < end:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"RabbitMQ did not confirm {len(self._pending)} publishes to {self.queue}")
+            self.connection.drain_events(timeout=left)
+        return [tag not in self._nacked for tag in range(first, end)] + [False] * (size - count)
 
     def _room(self, wanted: int) -> int:
         """How many of a chunk to send: all of it, except into a capped quorum queue.
@@ -652,21 +704,6 @@ class AmqpBulkSession(BulkSession):
             return wanted
         depth = self.channel.queue_declare(queue=self.queue, passive=True).message_count
         return min(wanted, max(1, self.cap - depth))
-
-    def _publish(self, messages: list[Any]) -> list[bool]:
-        first = self._next_tag
-        for message in messages:
-            # py-amqp's non-waiting publish: the confirms are collected below, per chunk.
-            self.channel._basic_publish(self.prepare(message), exchange=self.exchange, routing_key=self.queue)
-            self._pending.add(self._next_tag)
-            self._next_tag += 1
-        deadline = time.monotonic() + self.CONFIRM_TIMEOUT
-        while self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"RabbitMQ did not confirm {len(self._pending)} publishes to {self.queue}")
-            self.connection.drain_events(timeout=left)
-        return [tag not in self._nacked for tag in range(first, self._next_tag)]
 
     def queue_full(self, accepted: int) -> QueueFull:
         depth, rate = refusal_figures(self.app, self.settings, self.tier, self.queue)

@@ -157,6 +157,18 @@ class BulkSession:
         """Per message, whether the broker accepted it. Stops nothing: the caller reports refusals."""
         raise NotImplementedError
 
+    # ``bulk`` publishes a chunk in three steps, so that it can build and encode the next chunk while
+    # the broker takes this one: ``encode`` (no I/O), ``send`` (returns a ticket), ``collect`` (waits
+    # for the broker's answer: per message, accepted or not). By default ``send`` publishes at once.
+    def encode(self, messages: list[Any]) -> Any:
+        return messages
+
+    def send(self, encoded: Any) -> Any:
+        return self.publish(encoded)
+
+    def collect(self, ticket: Any) -> list[bool]:
+        return ticket
+
     def queue_full(self, accepted: int) -> QueueFull:
         """The error for a chunk the tier did not take whole."""
         raise NotImplementedError

@@ -350,6 +350,44 @@ def best_of(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure)
     return {name: max(values) for name, values in rates.items()}
 
 
+def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print) -> dict[str, Any]:
+    """Dispatch cost: a pre-filled queue drained by a default Celery worker and by a celery-prio one."""
+    drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
+        "fifo": ("fifo", {}),
+        "prio": ("prio", {}),
+        "prio_metrics": ("prio", {"metrics_port": free_port()}),
+    }
+    drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
+    drain_ratio = drain["prio"] / drain["fifo"]
+    metrics_ratio = drain["prio_metrics"] / drain["prio"]
+    out(
+        f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
+        f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
+    )
+    out(
+        f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
+        f"(target >= 0.95)"
+    )
+    short_n = max(drain_n // 3, 200)
+    # reserve=0: a reserved slot is idle by design, the figure is about dispatch cost.
+    short = best_of(
+        2,
+        {"fifo": ("fifo", {}), "prio": ("prio", {"reserve": 0})},
+        lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o),
+    )
+    short_ratio = short["prio"] / short["fifo"]
+    out(
+        f"5 ms drain ({short_n} tasks): default Celery {short['fifo']:.0f}/s, celery-prio {short['prio']:.0f}/s, "
+        f"ratio {short_ratio:.2f} (target >= 0.95)"
+    )
+    return {
+        "drain_per_s": drain,
+        "drain_ratio": drain_ratio,
+        "drain_5ms_per_s": short,
+        "drain_5ms_ratio": short_ratio,
+    }
+
+
 def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir: Path, out=print) -> dict[str, Any]:
     kind = _broker_kind(broker)
     out(
@@ -421,34 +459,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         f"(p50 {aging['off']['offline']['p50_wait_s']:.1f} s vs {aging['on']['offline']['p50_wait_s']:.1f} s)"
     )
 
-    drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
-        "fifo": ("fifo", {}),
-        "prio": ("prio", {}),
-        "prio_metrics": ("prio", {"metrics_port": free_port()}),
-    }
-    drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
-    drain_ratio = drain["prio"] / drain["fifo"]
-    metrics_ratio = drain["prio_metrics"] / drain["prio"]
-    out(
-        f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
-        f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
-    )
-    out(
-        f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
-        f"(target >= 0.95)"
-    )
-    short_n = max(drain_n // 3, 200)
-    # reserve=0: a reserved slot is idle by design, the figure is about dispatch cost.
-    short = best_of(
-        2,
-        {"fifo": ("fifo", {}), "prio": ("prio", {"reserve": 0})},
-        lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o),
-    )
-    short_ratio = short["prio"] / short["fifo"]
-    out(
-        f"5 ms drain ({short_n} tasks): default Celery {short['fifo']:.0f}/s, celery-prio {short['prio']:.0f}/s, "
-        f"ratio {short_ratio:.2f} (target >= 0.95)"
-    )
+    drain_figures = bench_drain(broker, w, drain_n, logdir, out)
     setups: dict[str, tuple[str, dict[str, Any]]] = {
         "plain": ("fifo", {}),
         "router": ("prio", {"max_length": NO_CAPS}),
@@ -473,10 +484,7 @@ def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir:
         "mixed": mixed,
         "ratios": ratios,
         "idle_share_batch_to_offline": ratio,
-        "drain_per_s": drain,
-        "drain_ratio": drain_ratio,
-        "drain_5ms_per_s": short,
-        "drain_5ms_ratio": short_ratio,
+        **drain_figures,
         "publish_per_s": publish,
         "publish_ratio": publish_ratio,
         "admission_ratio": admission_ratio,
@@ -837,6 +845,62 @@ def bench_bulk(broker: str, plain_n: int, bulk_n: int, logdir: Path, out=print) 
     }
 
 
+def run_recovery(mode: str, broker: str, logdir: Path, limit: float, **app_options: Any) -> dict[str, float | None]:
+    """Per tier, seconds from SIGKILL of a worker running an ``acks_late`` task to its start on a second
+    worker (None: not within ``limit``). Plain Celery has one queue: its three tasks stand for the tiers."""
+    run = Run(mode, broker, logdir, 3, **app_options)
+    try:
+        run.start_worker()
+        doomed = run.worker
+        late = run.app.tasks["bench.work_late"]
+        for tier in ("realtime", "batch", "offline"):
+            late.apply_async((tier, 3600.0), **({"tier": tier} if mode == "prio" else {}))
+        key = f"{run.prefix}:starts"
+
+        def starts() -> list[tuple[str, float, str]]:
+            rows = (row.decode().split() for row in run.records.lrange(key, 0, -1))
+            return [(label, float(at), pid) for label, at, pid in rows]
+
+        deadline = time.time() + 30
+        while len(starts()) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        if len(starts()) < 3:
+            raise RuntimeError(f"{mode}: the three tasks did not all start on the first worker")
+        run.start_worker()  # the survivor: up and idle before the first one dies
+        killed = time.time()
+        doomed.kill()
+        back: dict[str, float | None] = {tier: None for tier in ("realtime", "batch", "offline")}
+        while time.time() < killed + limit and None in back.values():
+            for label, at, _ in starts()[3:]:
+                if back[label] is None:
+                    back[label] = at - killed
+            time.sleep(0.05)
+        return back
+    finally:
+        run.close()
+        run.records.delete(f"{run.prefix}:starts")
+
+
+def bench_recovery(broker: str, logdir: Path, limit: float = 75.0, out=print) -> dict[str, Any]:
+    """A worker SIGKILLed with acks_late tasks in flight: how soon they run again, plain Celery vs celery-prio."""
+    kind = _broker_kind(broker)
+    setups = {"plain Celery": ("fifo", {})}
+    if kind == "redis":  # RabbitMQ returns a dead connection's messages at once, either way
+        setups["plain Celery, visibility_timeout 5 s"] = ("fifo", {"visibility_timeout": 5})
+    setups["celery-prio (prio_redeliver_after 5/30/60 s)" if kind == "redis" else "celery-prio"] = ("prio", {})
+    results = {name: run_recovery(mode, broker, logdir, limit, **options) for name, (mode, options) in setups.items()}
+    show = lambda v: f"{v:.1f} s" if v is not None else f"not within {limit:.0f} s"  # noqa: E731
+    out(f"\n== {kind}: a worker SIGKILLed with an acks_late task per tier in flight, a second worker up:")
+    for name, back in results.items():
+        out(f"  {name}: back after " + " / ".join(f"{tier} {show(v)}" for tier, v in back.items()))
+    if kind == "redis":
+        plain = results["plain Celery, visibility_timeout 5 s"]["realtime"]
+        prio = results["celery-prio (prio_redeliver_after 5/30/60 s)"]["realtime"]
+        if plain and prio:
+            out(f"  realtime back: celery-prio / plain Celery with a 5 s visibility_timeout = {prio / plain:.2f}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="celery-prio bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -853,9 +917,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("mixed", "bulk", "slices", "subqueues", "sjf", "inherit"),
-        help="run one part: the mixed workload/drain/publish, bulk publish, GPU time slices, sub-queues, SJF "
-        "or priority inheritance",
+        choices=("mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery"),
+        help="run one part: the mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, "
+        "sub-queues, SJF, priority inheritance or recovery after a worker dies",
     )
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -871,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind] = bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp))
                 if kind == "redis":
                     results["redis"]["aging_pass_s"] = bench_aging_pass()
+            if args.only == "drain":
+                results[kind]["drain"] = bench_drain(broker, w, args.drain_tasks, Path(tmp))
             if args.only in (None, "bulk"):
                 results[kind]["bulk"] = bench_bulk(broker, args.bulk_plain_tasks, args.bulk_tasks, Path(tmp))
             if args.only in (None, "subqueues"):
@@ -884,6 +950,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind]["inherit"] = bench_inherit(broker, args.inherit_backlog, 0.01, Path(tmp))
                 if kind == "redis":
                     results["redis"]["boost_cost_s"] = bench_boost_cost()
+            if args.only in (None, "recovery"):
+                results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(w), "results": results}, indent=2))
     return 0

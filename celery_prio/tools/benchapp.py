@@ -31,7 +31,15 @@ NATIVE_PRIORITY = {
 }
 
 
-def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool = False, **prio_settings) -> Celery:
+def make_app(
+    mode: str,
+    broker: str,
+    prefix: str,
+    record_url: str,
+    confirm: bool = False,
+    visibility_timeout: float | None = None,
+    **prio_settings,
+) -> Celery:
     if mode not in MODES:
         raise ValueError(f"unknown benchmark mode {mode!r}; valid: {', '.join(MODES)}")
     app = Celery(f"bench-{mode}", broker=broker, set_as_current=False)
@@ -41,6 +49,8 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
         task_ignore_result=True,
         worker_redirect_stdouts=False,
     )
+    if visibility_timeout is not None:  # Redis: when kombu brings back a message whose worker is gone
+        app.conf.broker_transport_options = {"visibility_timeout": visibility_timeout}
     if mode == "prio":
         celery_prio.install(app, queue_prefix=prefix, **prio_settings)
     else:
@@ -50,7 +60,7 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
         app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name, queue_arguments=args)]
         app.conf.task_default_queue = name
         if confirm:  # plain Celery with publisher confirms: the baseline for RabbitMQ admission
-            app.conf.broker_transport_options = {"confirm_publish": True}
+            app.conf.broker_transport_options = {**app.conf.broker_transport_options, "confirm_publish": True}
         if native:
             app.conf.worker_prefetch_multiplier = 1
             app.conf.task_acks_late = True
@@ -68,6 +78,12 @@ def make_app(mode: str, broker: str, prefix: str, record_url: str, confirm: bool
 
     # The same work under a second name: shortest-job-first tells tasks apart by name.
     app.task(shared=False, name="bench.work_long")(work.run)
+
+    @app.task(shared=False, name="bench.work_late", acks_late=True)
+    def work_late(label: str, seconds: float) -> None:
+        """Acknowledged when done: a worker killed mid-run leaves it to come back (the recovery figure)."""
+        recorder.rpush(f"{prefix}:starts", f"{label} {time.time()} {os.getpid()}")
+        time.sleep(seconds)
 
     @app.task(shared=False, name="bench.sliced", bind=True)
     def sliced(self, tier: str, sent: float, elements: int, element_seconds: float, start: int = 0) -> None:
