@@ -37,7 +37,7 @@ def make_app(
     prefix: str,
     record_url: str,
     confirm: bool = False,
-    visibility_timeout: float | None = None,
+    transport_options: dict | None = None,
     **prio_settings,
 ) -> Celery:
     if mode not in MODES:
@@ -49,8 +49,8 @@ def make_app(
         task_ignore_result=True,
         worker_redirect_stdouts=False,
     )
-    if visibility_timeout is not None:  # Redis: when kombu brings back a message whose worker is gone
-        app.conf.broker_transport_options = {"visibility_timeout": visibility_timeout}
+    if transport_options:  # e.g. Redis: when kombu brings back a message whose worker is gone
+        app.conf.broker_transport_options = dict(transport_options)
     if mode == "prio":
         celery_prio.install(app, queue_prefix=prefix, **prio_settings)
     else:
