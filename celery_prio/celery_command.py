@@ -120,7 +120,8 @@ def exporter(ctx, port: int, host: str):
 @click.pass_context
 def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool):
     """Replay a workload (spec or recorded trace) through the real scheduler for these settings and others."""
-    from .simulate import load_workload, parse_override, settings_with
+    from .settings import load_settings
+    from .simulate import load_workload, parse_override
     from .simulate import simulate as run_simulation
 
     app = ctx.obj.app
@@ -131,7 +132,7 @@ def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool)
             alternatives[" ".join(sets)] = dict(parse_override(x) for x in sets)
         for group in vs:
             alternatives[group] = dict(parse_override(x) for x in group.split())
-        runs = {label: run_simulation(spec, settings_with(app.conf, o)) for label, o in alternatives.items()}
+        runs = {label: run_simulation(spec, load_settings(app.conf, o)) for label, o in alternatives.items()}
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:

@@ -47,7 +47,7 @@ from .brokers.memory import MemoryFetchSource
 from .fetchloop import FetchLoop
 from .scheduler import TierScheduler
 from .served import ServedQueues
-from .settings import PrioSettings, load_settings
+from .settings import PrioSettings
 from .stats import WorkerStats, percentile
 from .tiers import TIERS, Tier, parse_tier
 
@@ -469,8 +469,3 @@ def _value(raw: str) -> Any:
     if len(parts) == len(TIERS):
         return {t.label: _scalar(p) for t, p in zip(TIERS, parts, strict=True)}
     raise ValueError(f"cannot read {raw!r}: give one value, three (realtime,batch,offline) or tier:value pairs")
-
-
-def settings_with(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> PrioSettings:
-    """The app's configuration with ``overrides`` (validated like any setting)."""
-    return load_settings(base, overrides)
