@@ -56,6 +56,7 @@ def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) 
     for ``x-match: all-with-x``).
     """
     args: dict[str, Any] = {}
+    dlx = dead_letter_exchange(settings, tier)
     cap = settings.subqueue_cap(tier) if subqueue else settings.max_length[tier]
     if cap is not None:
         args["x-max-length"] = cap
@@ -63,8 +64,8 @@ def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) 
     if aging_ttl(settings, tier) is not None:
         args["x-message-ttl"] = aging_ttl(settings, tier)
     if "x-message-ttl" in args or args.get("x-overflow") == "drop-head":
-        args["x-dead-letter-exchange"] = dead_letter_exchange(settings, tier)
-    return quorum_arguments(settings, args, dead_letter_exchange(settings, tier)) or None
+        args["x-dead-letter-exchange"] = dlx
+    return quorum_arguments(settings, args, dlx) or None
 
 
 def quorum_arguments(settings: PrioSettings, args: dict[str, Any], dlx: str | None = None) -> dict[str, Any]:
@@ -196,9 +197,8 @@ def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str
 
 def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
     """``<tier>.promoted``: uncapped (what enters it was admitted already); ages on like its tier."""
-    ttl = aging_ttl(settings, tier)
-    args = {"x-message-ttl": ttl, "x-dead-letter-exchange": dead_letter_exchange(settings, tier)} if ttl else {}
-    args = quorum_arguments(settings, args, dead_letter_exchange(settings, tier))
+    ttl, dlx = aging_ttl(settings, tier), dead_letter_exchange(settings, tier)
+    args = quorum_arguments(settings, {"x-message-ttl": ttl, "x-dead-letter-exchange": dlx} if ttl else {}, dlx)
     return _declare_as_is(channel, promoted_queue(settings, tier), args or None)
 
 

@@ -8,8 +8,8 @@ set of properties, ~20 Celery headers that only differ in a handful of
 fields. ``PublishFrames`` encodes the common parts once per session and, per
 message, only its body, its ``correlation_id`` and the headers that differ,
 into one buffer the caller writes to the socket once per chunk. The bytes
-are the ones py-amqp would send (``tests/test_bulk.py`` decodes them with
-py-amqp itself and compares).
+are the ones py-amqp would send (``tests/test_bulk.py`` compares them with
+the output of py-amqp's own frame writer).
 """
 
 from __future__ import annotations

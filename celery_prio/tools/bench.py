@@ -89,6 +89,7 @@ class Run:
         self.records = redis.Redis.from_url(RECORD_URL)
         self.logdir, self.concurrency = logdir, concurrency
         self.worker: WorkerProcess | None = None
+        self.started = 0  # workers started so far (each gets its own node name and log)
 
     def start_worker(self) -> None:
         env = {
@@ -98,7 +99,8 @@ class Run:
             "BENCH_RECORD": RECORD_URL,
             "BENCH_OPTIONS": json.dumps(self.app_options),
         }
-        n = self.started = getattr(self, "started", 0) + 1
+        self.started += 1
+        n = self.started
         self.worker = WorkerProcess(
             "celery_prio.tools.benchapp",
             log_path=self.logdir / f"{self.prefix}-{self.mode}-{n}.log",
