@@ -64,6 +64,9 @@ class FetchLoop:
         self.fetching_queue: str | None = None  # and the queue it came from
         self._timer: Any = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
+        self._wake_pending = False
+        source.on_arrival = self.wake
+        source.free_slots = scheduler.free_slots
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -76,6 +79,18 @@ class FetchLoop:
         if self._timer is not None:
             self.cancel_timer(self._timer)
             self._timer = None
+        self.source.stop()
+
+    def wake(self) -> None:
+        """A message was pushed to the source: pump on the next loop turn (once, however many arrive)."""
+        if self.active and not self._wake_pending:
+            self._wake_pending = True
+            self.loop.call_soon(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_pending = False
+        self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
+        self.pump()
 
     # -- the loop ------------------------------------------------------------
     def pump(self) -> None:

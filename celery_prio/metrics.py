@@ -108,6 +108,11 @@ class PrioCollector:
             "Originals of boosted tasks this worker acked unrun (RabbitMQ)",
             value=report.stale_skipped,
         )
+        yield GaugeMetricFamily(
+            "celery_prio_held_messages",
+            "Messages pushed to this worker that wait for a slot (RabbitMQ with prio_fetch='consume')",
+            value=report.held,
+        )
         yield GaugeMetricFamily("celery_prio_scrape_timestamp_seconds", "When this scrape ran", value=time.time())
 
 

@@ -88,6 +88,7 @@ class WorkerReport:
     broker_calls: int = 0
     polled_queues: list[str] = field(default_factory=list)
     stale_skipped: int = 0  # originals of boosted tasks (RabbitMQ) this worker acked unrun
+    held: int = 0  # messages pushed to this worker, waiting for a slot (RabbitMQ, prio_fetch="consume")
     tiers: dict[str, TierReport] = field(default_factory=dict)
     subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
@@ -118,6 +119,7 @@ def build_report(
     yields: Mapping[Tier, int] | None = None,
     slice_lengths: Mapping[Tier, float | None] | None = None,
     stale_skipped: int = 0,
+    held: int = 0,
 ) -> WorkerReport:
     shares = scheduler.shares()
     configured = scheduler.configured_shares()
@@ -161,6 +163,7 @@ def build_report(
         broker_calls=broker_calls,
         polled_queues=served.all_names(),
         stale_skipped=stale_skipped,
+        held=held,
         tiers=tiers,
     )
 

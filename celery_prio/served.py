@@ -40,6 +40,7 @@ class ServedQueues:
         self.discovered: list[str] = []
         self.known: list[str] = []  # sub-queues served without discovery (shortest-first queues of realtime tasks)
         self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
+        self.version = 0  # bumped whenever the set of served queues may have changed
         self.set_names(names)
 
     def tier_of(self, name: str) -> Tier:
@@ -65,6 +66,7 @@ class ServedQueues:
         return tier is not None and self.settings.subqueue_of(name, tier) is not None
 
     def _regroup(self) -> None:
+        self.version += 1
         by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
         for name in [*self.known, *self.discovered]:
             tier = self.tier_of(name)

@@ -28,6 +28,7 @@ QUEUE_TYPES = ("classic", "quorum")  # RabbitMQ's; Celery's task_default_queue_t
 MIN_REDELIVER_AFTER = 2.0
 SCHEDULER_MODES = ("time", "count")
 IDLE_SHARE_RULES = ("proportional", "next_below")  # scheduler.IDLE_SHARE_RULES: settings stays import-light
+FETCH_MODES = ("get", "consume")
 
 DEFAULTS: dict[str, Any] = {
     "weights": {"realtime": 8, "batch": 2, "offline": 1},
@@ -61,6 +62,11 @@ DEFAULTS: dict[str, Any] = {
     # RabbitMQ: "classic" or "quorum" (replicated) tier, front-lane, sub-queue and dead-letter queues.
     # None: Celery's task_default_queue_type.
     "queue_type": None,
+    # RabbitMQ: how a worker fetches from its tier queues and front lanes. "get": one basic_get per task,
+    # nothing held that another worker could run. "consume": pushed by standing consumers (prefetch 1
+    # each), at most one message in hand per such queue, for at most hold_max seconds, then given back.
+    "fetch": "get",
+    "hold_max": 0.1,
     "trace_max": 100_000,
     "sjf": True,
     "sjf_max_wait": 1.0,
@@ -129,6 +135,12 @@ def _optional_path(name: str, value: Any) -> str | None:
     return value
 
 
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"prio_{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
@@ -184,6 +196,8 @@ class PrioSettings:
     redeliver_after: dict[Tier, float]
     wait_replicas: int
     queue_type: str
+    fetch: str
+    hold_max: float
     trace_max: int
     sjf: bool
     sjf_max_wait: float
@@ -441,10 +455,14 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
             f"or None, got {management_url!r}"
         )
 
-    if raw["idle_share"] not in IDLE_SHARE_RULES:
-        raise ConfigError(f"prio_idle_share must be one of {IDLE_SHARE_RULES}, got {raw['idle_share']!r}")
-    if raw["scheduler"] not in SCHEDULER_MODES:
-        raise ConfigError(f"prio_scheduler must be one of {SCHEDULER_MODES}, got {raw['scheduler']!r}")
+    queue_type = _queue_type(raw["queue_type"], conf)
+    fetch = _choice("fetch", raw["fetch"], FETCH_MODES)
+    if fetch == "consume" and queue_type == "quorum":
+        raise ConfigError(
+            "prio_fetch='consume' needs classic queues: it gives a message held past prio_hold_max back with "
+            "basic_reject, and a quorum queue counts each give-back toward its delivery limit (RabbitMQ 4: 20, "
+            "then the message is dead-lettered). Use prio_fetch='get' with prio_queue_type='quorum'."
+        )
 
     return PrioSettings(
         weights=weights,
@@ -460,7 +478,9 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
         wait_replicas=_whole("wait_replicas", raw["wait_replicas"]),
-        queue_type=_queue_type(raw["queue_type"], conf),
+        queue_type=queue_type,
+        fetch=fetch,
+        hold_max=_number("hold_max", raw["hold_max"], minimum=0, inclusive=False),
         redeliver_after=_per_tier_numbers("redeliver_after", raw, minimum=MIN_REDELIVER_AFTER),
         trace_max=_whole("trace_max", raw["trace_max"]),
         demand_target=_per_tier_numbers("demand_target", raw, minimum=0, inclusive=False),
@@ -471,8 +491,8 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         queue_prefix=prefix,
         default_tier=default_tier,
         routes=tuple(routes),
-        scheduler=raw["scheduler"],
-        idle_share=raw["idle_share"],
+        scheduler=_choice("scheduler", raw["scheduler"], SCHEDULER_MODES),
+        idle_share=_choice("idle_share", raw["idle_share"], IDLE_SHARE_RULES),
         poll_interval=_number("poll_interval", raw["poll_interval"], minimum=0, inclusive=False),
         aging_interval=_number("aging_interval", raw["aging_interval"], minimum=0, inclusive=False),
         metrics_port=port,

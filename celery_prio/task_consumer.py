@@ -279,6 +279,7 @@ class TierFetcher:
             yields=self.board.yields(),
             slice_lengths=self.settings.slice,
             stale_skipped=superseded.skipped,
+            held=self.source.held,
         )
 
     def info(self) -> dict[str, Any]:

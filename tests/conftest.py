@@ -66,25 +66,28 @@ def _clean_test_db():
 class PrioEnv:
     """One test's broker, queue prefix, client app and workers."""
 
-    def __init__(self, kind: str, tmp_path: Path, broker: str | None = None) -> None:
+    def __init__(
+        self, kind: str, tmp_path: Path, broker: str | None = None, base_settings: dict[str, Any] | None = None
+    ) -> None:
         self.kind = kind
+        self.base_settings = dict(base_settings or {})  # under every configure() (e.g. prio_fetch)
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
         self.broker = broker or BROKERS[kind]
         self.backend = REDIS_URL
         self.tmp_path = tmp_path
         self.workers: list[WorkerProcess] = []
-        self.settings: dict[str, Any] = {}
+        self.settings: dict[str, Any] = dict(self.base_settings)
         self.visibility_timeout = 3600.0
-        self.app = make_app(self.prefix, self.broker, self.backend)
+        self.app = make_app(self.prefix, self.broker, self.backend, self.settings)
         self.recorder = redis.Redis.from_url(self.backend)
         self.adapter = adapter_for(self.app)
 
     def configure(self, visibility_timeout: float | None = None, **settings: Any) -> None:
         """Re-create the client app with install() overrides (before starting workers)."""
-        self.settings = settings
+        self.settings = {**self.base_settings, **settings}
         if visibility_timeout is not None:
             self.visibility_timeout = visibility_timeout
-        self.app = make_app(self.prefix, self.broker, self.backend, settings, self.visibility_timeout)
+        self.app = make_app(self.prefix, self.broker, self.backend, self.settings, self.visibility_timeout)
 
     def queue(self, tier: Tier) -> str:
         return f"{self.prefix}.{tier.label}"
@@ -171,9 +174,9 @@ def env(request, tmp_path):
     yield from _one_broker_env(request.param, tmp_path)
 
 
-def _one_broker_env(kind: str, tmp_path: Path):
+def _one_broker_env(kind: str, tmp_path: Path, **base_settings: Any):
     need_broker(kind)
-    e = PrioEnv(kind, tmp_path)
+    e = PrioEnv(kind, tmp_path, base_settings=base_settings)
     yield e
     e.close()
 
@@ -186,6 +189,12 @@ def redis_env(tmp_path):
 @pytest.fixture
 def amqp_env(tmp_path):
     yield from _one_broker_env("amqp", tmp_path)
+
+
+@pytest.fixture
+def amqp_push_env(tmp_path):
+    """RabbitMQ with ``prio_fetch="consume"``: tier queues pushed to the worker."""
+    yield from _one_broker_env("amqp", tmp_path, fetch="consume")
 
 
 __all__ = ["PrioEnv", "load_settings", "need_broker"]

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..served import ServedQueues
@@ -16,6 +17,7 @@ from .base import Broker, BrokerFigures, FetchSource, Job, Take
 from .redis import RedisAdapter, RedisFetchSource
 
 SUPPORTED = "celery-prio supports the redis and amqp (RabbitMQ) transports"
+logger = logging.getLogger(__name__)
 
 
 def adapter_for(app: Any) -> Broker:
@@ -34,8 +36,14 @@ def fetch_source_for(
     """A fetch source on a channel of its own: its round trips and the acks of what it took live there."""
     kind = connection.transport.driver_type
     if kind == "redis":
+        if settings.fetch == "consume":
+            logger.warning("celery-prio: prio_fetch='consume' is for RabbitMQ; Redis is fetched as always")
         return RedisFetchSource(app, connection.channel(), served, settings, worker_name)
     if kind == "amqp":
+        if settings.fetch == "consume":
+            from .amqp_consume import AmqpConsumeSource
+
+            return AmqpConsumeSource(app, connection.channel(), served, settings)
         return AmqpFetchSource(app, connection.channel(), served, settings)
     raise ValueError(f"{SUPPORTED}, not {kind!r}")
 

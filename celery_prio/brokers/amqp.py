@@ -432,6 +432,9 @@ class AmqpFetchSource(FetchSource):
         self.accept = prepare_accept_content(app.conf.accept_content)
         self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
+        # A message that rides along behind the one taken goes back with basic_reject, which a quorum
+        # queue counts toward its delivery limit: there, every queue is asked on its own.
+        self._pipeline_max = 1 if settings.queue_type == "quorum" else PIPELINE_MAX
 
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
@@ -448,11 +451,18 @@ class AmqpFetchSource(FetchSource):
         plan: list[tuple[Tier, str]] = []
         for tier in order:
             plan.extend((tier, c.name) for c in self.served.candidates(tier) if not self._skip(c.name, now))
+        found, asked = self._first_found(plan, now)
+        return self._take_found(found, asked)
+
+    def _first_found(
+        self, plan: list[tuple[Tier, str]], now: float
+    ) -> tuple[tuple[Tier, str, Any] | None, list[tuple[Tier, str]]]:
+        """The first message in ``plan``'s order (tier, queue, raw message) and the queues found empty before it."""
         asked: list[tuple[Tier, str]] = []  # found empty, in asking order, before anything was found
         start = 0
         while start < len(plan):
             end = start + 1
-            while end < len(plan) and end - start < PIPELINE_MAX and plan[end - 1][1] in self._empty_at:
+            while end < len(plan) and end - start < self._pipeline_max and plan[end - 1][1] in self._empty_at:
                 end += 1
             window = plan[start:end]
             start = end
@@ -468,14 +478,20 @@ class AmqpFetchSource(FetchSource):
                 else:
                     self.channel.basic_reject(raw.delivery_tag, requeue=True)
             if found is not None:
-                tier, name, raw = found
-                empty = _empty_tiers(asked, before=tier)
-                message = self._to_python(raw, name)
-                if message is None:
-                    return Take(dead_lettered=1, empty=empty, empty_queues=tuple(n for _, n in asked))
-                self._listed_empty.discard(name)
-                return Take(tier, message, empty, 0, name, tuple(n for _, n in asked))
-        return Take(empty=_empty_tiers(asked, before=None), empty_queues=tuple(n for _, n in asked))
+                return found, asked
+        return None, asked
+
+    def _take_found(self, found: tuple[Tier, str, Any] | None, asked: list[tuple[Tier, str]]) -> Take:
+        empty_queues = tuple(n for _, n in asked)
+        if found is None:
+            return Take(empty=_empty_tiers(asked, before=None), empty_queues=empty_queues)
+        tier, name, raw = found
+        empty = _empty_tiers(asked, before=tier)
+        message = self._to_python(raw, name)
+        if message is None:
+            return Take(dead_lettered=1, empty=empty, empty_queues=empty_queues)
+        self._listed_empty.discard(name)
+        return Take(tier, message, empty, 0, name, empty_queues)
 
     def _skip(self, queue: str, now: float) -> bool:
         """Found empty just now, or (a sub-queue) listed empty by the management API and asked lately."""

@@ -95,6 +95,10 @@ class FetchSource(ABC):
         self.served = served
         self.settings = settings
         self.broker_calls = 0  # round trips made by take(); reported, and bounded while idle (tested)
+        # For a source the broker pushes messages to: called when one arrives (the fetch loop then pumps),
+        # and how many slots the worker has free (how many messages it may have coming).
+        self.on_arrival: Callable[[], None] = lambda: None
+        self.free_slots: Callable[[], int] = lambda: 1
 
     @abstractmethod
     def take(self, order: list[Tier]) -> Take:
@@ -103,6 +107,12 @@ class FetchSource(ABC):
     @abstractmethod
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
+
+    #: Messages delivered to this worker that wait for a slot (a source the broker pushes to holds some).
+    held = 0
+
+    def stop(self) -> None:  # noqa: B027 - sources that hold nothing have nothing to give back
+        """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
 
     def prepare_subqueues(self, names: list[str]) -> None:  # noqa: B027 - most brokers need nothing
         """Make sure the sub-queues ``names`` exist before they are asked (RabbitMQ: asking a missing one fails)."""

@@ -355,12 +355,18 @@ def best_of(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure)
 
 
 def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print) -> dict[str, Any]:
-    """Dispatch cost: a pre-filled queue drained by a default Celery worker and by a celery-prio one."""
+    """Dispatch cost: a pre-filled queue drained by a default Celery worker and by a celery-prio one.
+
+    On RabbitMQ both fetch modes are measured: ``get`` (the default, nothing held) and ``consume`` (pushed).
+    """
+    pushed = _broker_kind(broker) == "amqp"
     drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
         "fifo": ("fifo", {}),
         "prio": ("prio", {}),
         "prio_metrics": ("prio", {"metrics_port": free_port()}),
     }
+    if pushed:
+        drain_setups["prio_consume"] = ("prio", {"fetch": "consume"})
     drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
     drain_ratio = drain["prio"] / drain["fifo"]
     metrics_ratio = drain["prio_metrics"] / drain["prio"]
@@ -368,28 +374,36 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
         f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
         f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
     )
+    if pushed:
+        out(f"  prio_fetch='consume': {drain['prio_consume']:.0f}/s, ratio {drain['prio_consume'] / drain['fifo']:.2f}")
     out(
         f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
         f"(target >= 0.95)"
     )
     short_n = max(drain_n // 3, 200)
     # reserve=0: a reserved slot is idle by design, the figure is about dispatch cost.
+    short_setups: dict[str, tuple[str, dict[str, Any]]] = {"fifo": ("fifo", {}), "prio": ("prio", {"reserve": 0})}
+    if pushed:
+        short_setups["prio_consume"] = ("prio", {"reserve": 0, "fetch": "consume"})
     short = best_of(
-        2,
-        {"fifo": ("fifo", {}), "prio": ("prio", {"reserve": 0})},
-        lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o),
+        2, short_setups, lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o)
     )
     short_ratio = short["prio"] / short["fifo"]
     out(
         f"5 ms drain ({short_n} tasks): default Celery {short['fifo']:.0f}/s, celery-prio {short['prio']:.0f}/s, "
         f"ratio {short_ratio:.2f} (target >= 0.95)"
     )
-    return {
+    results = {
         "drain_per_s": drain,
         "drain_ratio": drain_ratio,
         "drain_5ms_per_s": short,
         "drain_5ms_ratio": short_ratio,
     }
+    if pushed:
+        out(f"  prio_fetch='consume': {short['prio_consume']:.0f}/s, ratio {short['prio_consume'] / short['fifo']:.2f}")
+        results["drain_consume_ratio"] = drain["prio_consume"] / drain["fifo"]
+        results["drain_5ms_consume_ratio"] = short["prio_consume"] / short["fifo"]
+    return results
 
 
 def bench_broker(broker: str, w: Workload, drain_n: int, publish_n: int, logdir: Path, out=print) -> dict[str, Any]:

@@ -1,0 +1,292 @@
+"""``prio_fetch="consume"``: RabbitMQ pushes the tier queues to the worker (``brokers/amqp_consume.py``).
+
+The source on a real broker first: what it holds, when it gives back, and
+when a queue's next message comes. Then the worker scenarios of
+``test_worker.py`` again with real workers fetching by push.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from celery_prio.brokers.amqp_consume import AmqpConsumeSource
+from celery_prio.errors import ConfigError
+from celery_prio.served import ServedQueues
+from celery_prio.settings import load_settings, settings_for
+from celery_prio.tiers import TIERS, Tier
+from tests import test_worker
+
+pytestmark = pytest.mark.broker
+
+R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
+ORDER = [R, B, O]
+
+
+@contextmanager
+def push_source(env, free: int = 1, **settings):
+    """A consume-mode source on its own connection, with ``free`` slots free (as the fetch loop tells it)."""
+    env.configure(sjf=False, fetch="consume", **settings)
+    conn = env.app.connection_for_write()
+    try:
+        prio = settings_for(env.app)
+        served = ServedQueues(prio, [prio.queue_name(t) for t in TIERS])
+        source = AmqpConsumeSource(env.app, conn.channel(), served, prio)
+        source.free_slots = lambda: free
+        gets: list[list[str]] = []
+        real_get_many = source.get_many
+        source.get_many = lambda queues: gets.append(list(queues)) or real_get_many(queues)  # count basic_gets
+        source.gets = gets
+        yield source, conn
+    finally:
+        conn.release()
+
+
+def pump_until(conn, predicate, timeout: float = 5.0) -> None:
+    """Read what RabbitMQ pushes (the worker's event loop does this) until ``predicate()``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for a push"
+        try:
+            conn.drain_events(timeout=0.05)
+        except TimeoutError:
+            pass
+
+
+def settle(conn, seconds: float) -> None:
+    """Read pushes for ``seconds`` (to see that nothing more comes)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            conn.drain_events(timeout=0.05)
+        except TimeoutError:
+            pass
+
+
+def test_pushed_messages_are_taken_in_tier_order_without_a_broker_call(amqp_env):
+    env = amqp_env
+    with push_source(env) as (source, conn):
+        assert source.take(ORDER).message is None  # starts one consumer per tier queue and front lane
+        sleep = env.app.tasks["t.sleep"]
+        sleep.apply_async(("b", 0), tier="batch")
+        sleep.apply_async(("o", 0), tier="offline")
+        sleep.apply_async(("r", 0), tier="realtime")
+        pump_until(conn, lambda: source.held == 3)  # all three pushed into the hand
+        taken = []
+        for _ in range(3):
+            # Past the window in which a queue just taken from may still be pushed its next message
+            # (within it, a queue ahead of the one in hand is asked by basic_get, to keep the order).
+            time.sleep(settings_for(env.app).poll_interval * 1.2)
+            take = source.take(ORDER)
+            taken.append((take.tier, take.message.payload[0][0]))
+            take.message.ack()
+        assert taken == [(R, "r"), (B, "b"), (O, "o")]
+        assert source.gets == []  # tier queues and front lanes are pushed: no basic_get at all
+        assert source.take(ORDER).message is None
+
+
+def test_a_queue_whose_next_message_may_be_coming_is_asked_before_a_lower_tier_in_hand(amqp_env):
+    """Right after a take, realtime's next message may still be on its way: asked, not skipped for offline."""
+    env = amqp_env
+    with push_source(env, free=2) as (source, conn):
+        source.take(ORDER)
+        time.sleep(settings_for(env.app).poll_interval * 1.2)  # consumers started longer ago than the window
+        sleep = env.app.tasks["t.sleep"]
+        sleep.apply_async(("r0", 0), tier="realtime")
+        sleep.apply_async(("o", 0), tier="offline")
+        pump_until(conn, lambda: source.held == 2)
+        first = source.take(ORDER)  # realtime's consumer now waits for this one's ack
+        sleep.apply_async(("r1", 0), tier="realtime")  # not pushed until r0 is acked
+        realtime = settings_for(env.app).queue_name(R)
+        while env.adapter.depth(realtime) == 0:  # routed (a few ms: well inside the window)
+            time.sleep(0.002)
+        source.gets.clear()
+        second = source.take(ORDER)
+        assert [first.message.payload[0][0], second.message.payload[0][0]] == ["r0", "r1"]
+        assert source.gets == [[realtime]]  # one basic_get, and offline's message stays in hand
+        assert source.held == 1
+        first.message.ack()
+        second.message.ack()
+
+
+def first_of_batch(env, source, conn, task: str, n: int):
+    """Publish ``n`` batch calls of ``task``; take the first once it is pushed (one slot free)."""
+    source.take(ORDER)
+    for i in range(n):
+        env.app.tasks[task].apply_async((f"b{i}", 0), tier="batch")
+    pump_until(conn, lambda: source.held == 1)
+    assert env.depth(B) == n - 1  # one in hand, the rest in the queue
+    return source.take(ORDER).message
+
+
+def test_a_queue_holds_one_message_until_celery_acks_the_last(amqp_env):
+    """Prefetch 1 per consumer: with one slot free, the next message is pushed only once the last is acked."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        first = first_of_batch(env, source, conn, "t.sleep", 5)
+        settle(conn, 0.3)
+        assert env.depth(B) == 4  # unacked: its consumer gets nothing more
+        first.ack()
+        pump_until(conn, lambda: source.held == 1)  # acked: the next one is pushed
+        assert env.depth(B) == 3
+        second = source.take(ORDER)
+        assert second.message.payload[0][0] == "b1"
+        second.message.ack()
+
+
+def test_a_task_acked_late_does_not_hold_its_queue(amqp_env):
+    """An ``acks_late`` task stays unacked while it runs: its consumer is replaced, the queue goes on."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        first = first_of_batch(env, source, conn, "t.batch_late", 3)
+        pump_until(conn, lambda: source.held == 1)  # the next one comes although the first is unacked
+        assert env.depth(B) == 1
+        second = source.take(ORDER).message
+        assert [first.payload[0][0], second.payload[0][0]] == ["b0", "b1"]
+        first.ack()
+        second.ack()
+
+
+def test_free_slots_set_how_many_messages_come(amqp_env):
+    env = amqp_env
+    with push_source(env, free=4) as (source, conn):
+        source.take(ORDER)
+        sleep = env.app.tasks["t.sleep"]
+        for i in range(20):
+            sleep.apply_async((f"b{i}", 0), tier="batch")
+        pump_until(conn, lambda: source.held == 1)
+        source.take(ORDER).message.ack()  # 3 slots still free: 3 consumers out now
+        pump_until(conn, lambda: source.held == 3)
+        settle(conn, 0.3)
+        assert source.held == 3 and env.depth(B) == 16  # one per free slot, no more
+        source.free_slots = lambda: 1  # the other two slots were taken meanwhile (by another tier, say)
+        for _ in range(3):
+            source.take(ORDER).message.ack()
+        settle(conn, 0.3)
+        assert source.held == 1 and env.depth(B) == 15  # back to one consumer: at most one in hand
+
+
+def test_a_message_held_past_hold_max_goes_back_for_another_worker(amqp_env):
+    env = amqp_env
+    with push_source(env, free=0, hold_max=0.2) as (source, conn):
+        source.take([])  # consumers out; no slot free, so the scheduler asks for nothing
+        env.app.tasks["t.sleep"].apply_async(("b", 0), tier="batch")
+        pump_until(conn, lambda: source.held == 1)  # pushed into the hand
+        source.give_back_stale()
+        assert env.depth(B) == 0  # not yet past hold_max: still held
+        time.sleep(0.25)
+        source.give_back_stale()
+        pump_until(conn, lambda: env.depth(B) == 1)  # back in the queue, where any worker can take it
+        settle(conn, 0.3)
+        assert env.depth(B) == 1  # and its consumer is gone: it is not pushed again at once
+        source.free_slots = lambda: 1
+        assert source.take(ORDER).message is None  # a slot asks for batch: its consumer starts again
+        pump_until(conn, lambda: source.held == 1)
+        take = source.take(ORDER)
+        assert take.message.payload[0][0] == "b" and take.message.delivery_info["redelivered"]
+        take.message.ack()
+
+
+def test_stop_gives_back_what_it_holds(amqp_env):
+    env = amqp_env
+    with push_source(env, free=2) as (source, conn):
+        source.take(ORDER)
+        sleep = env.app.tasks["t.sleep"]
+        sleep.apply_async(("r", 0), tier="realtime")
+        sleep.apply_async(("b", 0), tier="batch")
+        pump_until(conn, lambda: source.held == 2)
+        source.stop()
+        assert source.held == 0
+        pump_until(conn, lambda: env.depth(R) == 1 and env.depth(B) == 1)
+        settle(conn, 0.2)
+        assert env.depth(R) == 1 and env.depth(B) == 1  # no consumer left to push them again
+
+
+def test_sub_queues_are_still_asked_by_basic_get_in_tier_order(amqp_env):
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        prio = settings_for(env.app)
+        sub = prio.subqueue_name(B, "acme")
+        source.prepare_subqueues([sub])
+        source.served.set_discovered([sub])
+        assert source.take(ORDER).message is None
+        sleep = env.app.tasks["t.sleep"]
+        sleep.apply_async(("acme", 0), tier="batch", subqueue="acme")
+        sleep.apply_async(("o", 0), tier="offline")
+        pump_until(conn, lambda: source.held == 1)  # offline's is pushed; acme's waits in its sub-queue
+        time.sleep(prio.poll_interval)  # past the re-ask interval of queues found empty
+        take = source.take(ORDER)
+        assert (take.tier, take.queue, take.message.payload[0][0]) == (B, sub, "acme")  # batch before offline
+        take.message.ack()
+        take = source.take(ORDER)
+        assert (take.tier, take.message.payload[0][0]) == (O, "o")
+        take.message.ack()
+
+
+def test_consume_mode_refuses_quorum_queues_and_bad_values():
+    with pytest.raises(ConfigError, match=r"prio_fetch='consume' needs classic queues"):
+        load_settings({"prio_fetch": "consume", "prio_queue_type": "quorum"})
+    with pytest.raises(ConfigError, match=r"prio_fetch must be one of \('get', 'consume'\), got 'push'"):
+        load_settings({"prio_fetch": "push"})
+    with pytest.raises(ConfigError, match=r"prio_hold_max must be a number > 0"):
+        load_settings({"prio_hold_max": 0})
+    assert load_settings({}).fetch == "get"  # the default holds nothing
+
+
+# -- real workers fetching by push: the scenarios of test_worker.py ------------------------------------------
+WORKER_SCENARIOS = [
+    test_worker.test_backlogged_tiers_share_slot_time_by_weight,
+    test_worker.test_realtime_starts_promptly_while_long_offline_tasks_fill_the_worker,
+    test_worker.test_eta_retry_and_chord_across_tiers,
+    test_worker.test_sigkill_mid_task_with_acks_late_loses_nothing,
+    test_worker.test_warm_shutdown_finishes_running_tasks_and_leaves_the_rest_queued,
+    test_worker.test_worker_with_q_serves_only_its_tier_and_queues_can_be_added,
+    test_worker.test_bad_messages_are_rejected_and_the_worker_keeps_serving,
+    test_worker.test_inspect_stats_show_per_tier_dispatch_counts,
+    test_worker.test_idle_worker_makes_bounded_broker_calls,
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", WORKER_SCENARIOS, ids=lambda f: f.__name__.removeprefix("test_"))
+def test_worker_scenarios_fetching_by_push(scenario, amqp_push_env):
+    scenario(amqp_push_env)
+
+
+def busy_worker_and_next(env, hold_max: float, long_seconds: float) -> None:
+    """One worker of one slot runs a long batch task; then a short one ("next") is published behind it."""
+    env.configure(hold_max=hold_max, reserve=0)
+    env.start_worker(concurrency=1)
+    env.app.tasks["t.sleep"].apply_async(("long", long_seconds), tier="batch")
+    env.wait_for(lambda: test_worker.starts(env, "long"), what="the long task to start")
+    env.app.tasks["t.sleep"].apply_async(("next", 0.0), tier="batch")
+
+
+@pytest.mark.slow
+def test_a_busy_worker_gives_back_what_another_worker_can_run(amqp_push_env):
+    """One worker busy with a long task holds the next one for at most hold_max; an idle one then runs it."""
+    env = amqp_push_env
+    busy_worker_and_next(env, hold_max=0.2, long_seconds=6.0)
+    env.start_worker(concurrency=1)  # idle: can run "next" at once, if the first worker lets go of it
+    env.wait_for(lambda: test_worker.starts(env, "next"), timeout=4, what="the second worker to run 'next'")
+    assert not [e for e in env.log() if e["tag"] == "long" and e["kind"] == "end"]  # the first is still busy
+
+
+@pytest.mark.slow
+def test_a_busy_worker_reports_what_it_holds(amqp_push_env):
+    """With a long hold_max the next task stays in hand (reported) until the slot frees: the give-back is what
+    lets the idle worker of the test above run it."""
+    from celery_prio.control import collect_prio_stats
+
+    env = amqp_push_env
+    busy_worker_and_next(env, hold_max=30, long_seconds=3.0)
+
+    def held() -> int:
+        (prio,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
+        return prio["held"]
+
+    env.wait_for(lambda: held() == 1, timeout=2, what="the worker to report 'next' in hand")
+    assert env.depth(B) == 0 and not test_worker.starts(env, "next")
+    env.wait_for(lambda: test_worker.starts(env, "next"), timeout=10, what="'next' to run once the slot frees")
