@@ -130,6 +130,28 @@ def test_malformed_messages_go_to_the_dead_letters_and_the_loop_goes_on():
     assert loop.ledger.running(B) == 1  # delivered in the same turn as the five were moved aside
 
 
+def test_pushed_arrivals_wake_the_loop_once_per_turn_and_stop_gives_back():
+    """A source the broker pushes to calls ``on_arrival``: one pump on the next turn, however many arrive."""
+    settings, source, sim, loop, _ = make()
+    pumps, stopped = [], []
+    real_pump = loop.pump
+    loop.pump = lambda: pumps.append(sim.now) or real_pump()
+    source.stop = lambda: stopped.append(True)
+    assert source.free_slots() == 4  # the loop tells the source how many messages may come
+    loop.start()
+    sim.run_until(0.001)
+    pumps.clear()
+    source.publish(settings.queue_name(B), *(Task(B, 0.01, next(_keys)) for _ in range(3)))
+    for _ in range(3):
+        source.on_arrival()
+    sim.run_until(sim.now + 0.0001)
+    assert len(pumps) == 1 and loop.ledger.running(B) == 1  # one pump (a new tier gets one slot at first)
+    loop.stop()
+    source.on_arrival()  # a late arrival after stop: no pump
+    sim.run_until(sim.now + 0.0001)
+    assert len(pumps) == 1 and stopped == [True]
+
+
 def test_a_failing_fetch_is_retried_not_fatal():
     settings, source, sim, loop, worker = make()
     take, calls = source.take, []
