@@ -7,8 +7,11 @@ when a queue's next message comes. Then the worker scenarios of
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +293,54 @@ def test_a_busy_worker_reports_what_it_holds(amqp_push_env):
     env.wait_for(lambda: held() == 1, timeout=2, what="the worker to report 'next' in hand")
     assert env.depth(B) == 0 and not test_worker.starts(env, "next")
     env.wait_for(lambda: test_worker.starts(env, "next"), timeout=10, what="'next' to run once the slot frees")
+
+
+def _local_ports(pid: int) -> set[int]:
+    """TCP ports of the sockets process ``pid`` holds (from /proc: no extra dependency)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.slow
+def test_a_worker_that_loses_its_connection_fetches_by_push_again(amqp_push_env):
+    """RabbitMQ closes the worker's connections (a network blip): it reconnects and its consumers start again."""
+    env = amqp_push_env
+    worker = env.start_worker(concurrency=2)
+    t = env.app.tasks
+    for i in range(3):
+        t["t.sleep"].apply_async((f"a{i}", 0.0), tier="batch")
+    env.wait_for(lambda: len(test_worker.starts(env, "a")) == 3, what="the first three tasks")
+    ports = _local_ports(worker.pid)
+    listing = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "peer_port"], capture_output=True, text=True, check=True
+    ).stdout
+    closed = 0
+    for line in listing.splitlines():
+        pid, _, port = line.rpartition("\t")
+        if port.isdigit() and int(port) in ports:
+            subprocess.run(["rabbitmqctl", "close_connection", pid, "test: connection lost"], capture_output=True)
+            closed += 1
+    assert closed, (listing, ports)
+    env.wait_for(lambda: "Connection to broker lost" in worker.log(), what="the worker to see it")
+    for i in range(3):
+        t["t.sleep"].apply_async((f"b{i}", 0.0), tier="batch")
+    t["t.rt_sleep"].delay("rt", 0.0)
+    env.wait_for(
+        lambda: len(test_worker.starts(env, "b")) == 3 and test_worker.starts(env, "rt"),
+        timeout=30,
+        what="the tasks published after the reconnect",
+    )
+    assert worker.proc.poll() is None
