@@ -67,7 +67,6 @@ class AmqpConsumeSource(AmqpFetchSource):
         self.pushed: set[str] = set()  # queues fetched by push (the rest: basic_get)
         self._out: dict[str, dict[str, float]] = {}  # pushed queue -> {tag: started} of consumers not yet pushed to
         self._queue_of: dict[str, str] = {}  # consumer tag -> queue, while it lives
-        self._live: dict[str, set[str]] = {}  # pushed queue -> its consumers' tags
         self._hand: dict[str, deque[tuple[Any, float, str]]] = {}  # queue -> (message, arrived, its consumer)
         self._parked: set[str] = set()  # gave a message back: no consumer until a slot asks for its tier
         self._held = 0  # messages in all hands (a count: the metrics thread reads it while the loop runs)
@@ -95,7 +94,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._drop(name)
         for name in sorted(wanted - self.pushed):
             self.pushed.add(name)
-            self._out[name], self._hand[name], self._live[name] = {}, deque(), set()
+            self._out[name], self._hand[name] = {}, deque()
             self._consume(name)
 
     def _consume(self, name: str) -> None:
@@ -104,7 +103,6 @@ class AmqpConsumeSource(AmqpFetchSource):
             queue=name, consumer_tag=tag, callback=self._arrived, on_cancel=self._cancelled_by_broker, nowait=True
         )
         self._out[name][tag] = time.monotonic()
-        self._live[name].add(tag)
         self._queue_of[tag] = name
 
     def _cancel(self, tag: str) -> None:
@@ -115,9 +113,13 @@ class AmqpConsumeSource(AmqpFetchSource):
         self.channel.callbacks.pop(tag, None)
         self.channel.cancel_callbacks.pop(tag, None)
 
+    def _consumers(self, name: str) -> int:
+        """``name``'s live consumers: each either waits to be pushed or has its one message in hand."""
+        return len(self._out[name]) + len(self._hand[name])
+
     def _top_up(self, name: str, target: int) -> None:
         """Consumers out for ``name`` until ``target`` messages are in hand or coming (one at least)."""
-        for _ in range(max(target, 1) - len(self._hand[name]) - len(self._live[name])):
+        for _ in range(max(target, 1) - self._consumers(name)):
             self._consume(name)
 
     def _settles_late(self, raw: Any) -> bool:
@@ -132,10 +134,10 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _give_back(self, name: str) -> None:
         """Every consumer of ``name`` cancelled, then its hand back to the queue (a reject makes no room then)."""
-        for tag in self._live.get(name, ()):
+        out, self._out[name] = self._out[name], {}
+        hand, self._hand[name] = self._hand[name], deque()
+        for tag in [*out, *(tag for _, _, tag in hand)]:
             self._cancel(tag)
-        self._out[name], self._live[name] = {}, set()
-        hand, self._hand[name] = self._hand.get(name, deque()), deque()
         self._held -= len(hand)
         for raw, _, _ in hand:
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
@@ -144,7 +146,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._give_back(name)
         self.pushed.discard(name)
         self._parked.discard(name)
-        del self._out[name], self._hand[name], self._live[name]
+        del self._out[name], self._hand[name]
 
     def _arrived(self, raw: Any) -> None:
         """A delivery (from inside ``drain_events``): into the hand; the fetch loop pumps on its next turn."""
@@ -204,9 +206,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             raw, _, tag = self._hand[name].popleft()
             self._held -= 1
             target = self.free_slots() - 1  # this message takes one of the free slots
-            if self._settles_late(raw) or len(self._live[name]) > max(target, 1):
+            if self._settles_late(raw) or self._consumers(name) + 1 > max(target, 1):  # + 1: the taken one's
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
-                self._live[name].discard(tag)
             else:
                 self._out[name][tag] = now  # pushed its next message once Celery acks this one
             self._top_up(name, target)

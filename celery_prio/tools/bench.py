@@ -359,13 +359,13 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
 
     On RabbitMQ both fetch modes are measured: ``get`` (the default, nothing held) and ``consume`` (pushed).
     """
-    pushed = _broker_kind(broker) == "amqp"
+    both_fetch_modes = _broker_kind(broker) == "amqp"
     drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
         "fifo": ("fifo", {}),
         "prio": ("prio", {}),
         "prio_metrics": ("prio", {"metrics_port": free_port()}),
     }
-    if pushed:
+    if both_fetch_modes:
         drain_setups["prio_consume"] = ("prio", {"fetch": "consume"})
     drain = best_of(2, drain_setups, lambda mode, **o: run_drain(mode, broker, drain_n, w.concurrency, logdir, **o))
     drain_ratio = drain["prio"] / drain["fifo"]
@@ -374,7 +374,7 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
         f"no-op drain ({drain_n} tasks, concurrency {w.concurrency}): default Celery {drain['fifo']:.0f}/s, "
         f"celery-prio {drain['prio']:.0f}/s, ratio {drain_ratio:.2f} (target >= 0.8)"
     )
-    if pushed:
+    if both_fetch_modes:
         out(f"  prio_fetch='consume': {drain['prio_consume']:.0f}/s, ratio {drain['prio_consume'] / drain['fifo']:.2f}")
     out(
         f"  with Prometheus metrics on: {drain['prio_metrics']:.0f}/s, ratio to metrics off {metrics_ratio:.2f} "
@@ -383,7 +383,7 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
     short_n = max(drain_n // 3, 200)
     # reserve=0: a reserved slot is idle by design, the figure is about dispatch cost.
     short_setups: dict[str, tuple[str, dict[str, Any]]] = {"fifo": ("fifo", {}), "prio": ("prio", {"reserve": 0})}
-    if pushed:
+    if both_fetch_modes:
         short_setups["prio_consume"] = ("prio", {"reserve": 0, "fetch": "consume"})
     short = best_of(
         2, short_setups, lambda mode, **o: run_drain(mode, broker, short_n, w.concurrency, logdir, seconds=0.005, **o)
@@ -399,7 +399,7 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
         "drain_5ms_per_s": short,
         "drain_5ms_ratio": short_ratio,
     }
-    if pushed:
+    if both_fetch_modes:
         out(f"  prio_fetch='consume': {short['prio_consume']:.0f}/s, ratio {short['prio_consume'] / short['fifo']:.2f}")
         results["drain_consume_ratio"] = drain["prio_consume"] / drain["fifo"]
         results["drain_5ms_consume_ratio"] = short["prio_consume"] / short["fifo"]
