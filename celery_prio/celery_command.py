@@ -78,6 +78,10 @@ def status(ctx, as_json: bool, watch: float | None):
                             f"{name:<40}{fmt(r['depth']):>8}{r['dispatched']:>12}"
                             f"{fmt(r['share_of_tier'], '{:.2f}'):>8}{fmt(r['wait_p99_ms'], '{:.0f}'):>13}"
                         )
+                for name, r in data["unserved"].items():
+                    click.echo(f"UNSERVED {name}: {r['depth']} waiting, no live worker serves {r['tier']}")
+                for worker, problem in data["discovery_problems"].items():
+                    click.echo(f"DISCOVERY FAILING on {worker}: {problem}")
                 click.echo(
                     f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "
                     f"workers: {', '.join(data['workers']) or 'none answered'}"

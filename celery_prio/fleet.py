@@ -13,6 +13,7 @@ from .demand import fleet_estimate, slots_needed
 from .report import WorkerReport
 from .scheduler import configured_shares
 from .tiers import TIERS
+from .unserved import app_queues, unserved_now
 
 
 def cluster_status(app, settings, adapter) -> dict:
@@ -63,9 +64,22 @@ def cluster_status(app, settings, adapter) -> dict:
     return {
         "tiers": rows,
         "subqueues": subqueue_rows(reports.values(), adapter),
+        "unserved": unserved_rows(settings, adapter),
+        "discovery_problems": {name: r.discovery_problem for name, r in reports.items() if r.discovery_problem},
         "dead": adapter.depth(settings.dead_letter_queue),
         "workers": sorted(reports),
     }
+
+
+def unserved_rows(settings, adapter) -> dict:
+    """Queues holding messages while no live worker serves their tier (read from the broker, now)."""
+    serving = adapter.serving(settings)
+    if serving is None:
+        return {}
+    queues = app_queues(settings, adapter.subqueues(settings))
+    depths = adapter.depths([name for name, _ in queues])
+    found = unserved_now([(name, tier, n) for (name, tier), n in zip(queues, depths, strict=True)], serving)
+    return {name: {"tier": tier.label, "depth": depth} for name, tier, depth in found}
 
 
 def subqueue_rows(reports, adapter) -> dict:

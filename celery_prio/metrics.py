@@ -113,6 +113,19 @@ class PrioCollector:
             "Messages pushed to this worker that wait for a slot (RabbitMQ with prio_fetch='consume')",
             value=report.held,
         )
+        unserved = GaugeMetricFamily(
+            "celery_prio_unserved_seconds",
+            "How long the queue has held messages with no live worker serving its tier",
+            labels=["tier", "queue"],
+        )
+        for queue, row in report.unserved.items():
+            unserved.add_metric([row["tier"], queue], float(row["seconds"]))
+        yield unserved
+        yield GaugeMetricFamily(
+            "celery_prio_discovery_ok",
+            "1 while this worker can find new sub-queues (shortest-first queues, tenants), 0 when it cannot",
+            value=0.0 if report.discovery_problem else 1.0,
+        )
         yield GaugeMetricFamily("celery_prio_scrape_timestamp_seconds", "When this scrape ran", value=time.time())
 
 

@@ -10,7 +10,7 @@ earlier on the worker's own loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -19,6 +19,7 @@ from .scheduler import TierScheduler
 from .served import ServedQueues
 from .stats import WorkerStats, percentile
 from .tiers import TIERS, Tier
+from .unserved import Unserved
 
 
 def fmt(value: Any, pattern: str = "{}") -> str:
@@ -89,6 +90,10 @@ class WorkerReport:
     polled_queues: list[str] = field(default_factory=list)
     stale_skipped: int = 0  # originals of boosted tasks (RabbitMQ) this worker acked unrun
     held: int = 0  # messages pushed to this worker, waiting for a slot (RabbitMQ, prio_fetch="consume")
+    # Queues with messages whose tier no live worker serves ({queue: {tier, depth, seconds}}), and why this
+    # worker cannot find new sub-queues (None: it can).
+    unserved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    discovery_problem: str | None = None
     tiers: dict[str, TierReport] = field(default_factory=dict)
     subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
@@ -120,6 +125,8 @@ def build_report(
     slice_lengths: Mapping[Tier, float | None] | None = None,
     stale_skipped: int = 0,
     held: int = 0,
+    unserved: Iterable[Unserved] = (),
+    discovery_problem: str | None = None,
 ) -> WorkerReport:
     shares = scheduler.shares()
     configured = scheduler.configured_shares()
@@ -164,6 +171,8 @@ def build_report(
         polled_queues=served.all_names(),
         stale_skipped=stale_skipped,
         held=held,
+        unserved={r.queue: r.as_dict() for r in unserved},
+        discovery_problem=discovery_problem,
         tiers=tiers,
     )
 
@@ -221,4 +230,10 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
         if row.boosted_seen:  # run here after a boost lifted them into this tier
             parts.append(f"boosted in {row.boosted_seen}")
         rows[f"prio {label}"] = " · ".join(parts)
+    for queue, row in report.unserved.items():
+        rows[f"prio unserved {queue}"] = (
+            f"{row['depth']} waiting for {row['seconds']:.0f} s: no live worker serves {row['tier']}"
+        )
+    if report.discovery_problem:
+        rows["prio discovery"] = f"failing: {report.discovery_problem}"
     return rows

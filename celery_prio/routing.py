@@ -85,12 +85,21 @@ def make_router(settings: PrioSettings, subqueue: Callable[[Tier, str], Any] | N
     return route_by_tier
 
 
-def sjf_queues(settings: PrioSettings, tasks: Any) -> list[str]:
-    """The shortest-first queues of the realtime tasks among ``tasks`` (``app.tasks``): served from the start."""
+def sjf_queues(settings: PrioSettings, tasks: Any, every_task: bool = False) -> list[str]:
+    """The shortest-first queues a worker serves from the start, without discovery (``tasks``: ``app.tasks``).
+
+    Any task can reach realtime per call (``apply_async(tier="realtime")``),
+    as a child of a realtime task or through canvas inheritance, and then
+    goes to its own shortest-first queue. With ``every_task`` (a broker that
+    asks all of a worker's queues in one call, as Redis' fetch script does)
+    that is every registered task's: a worker can only run what it has
+    registered, so it knows them all. Otherwise the tasks whose own tier is
+    realtime; the rest are found through the sub-queue registry.
+    """
     out = []
     for name, task in list(tasks.items()):
         try:
-            if tier_of_call(settings, name, None, task) is Tier.REALTIME:
+            if every_task or tier_of_call(settings, name, None, task) is Tier.REALTIME:
                 out.append(settings.sjf_queue(name))
         except ValueError:  # a task with a bad tier: check_task_tiers stops the worker with the reason
             continue

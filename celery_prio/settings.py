@@ -29,15 +29,28 @@ MIN_REDELIVER_AFTER = 2.0
 SCHEDULER_MODES = ("time", "count")
 IDLE_SHARE_RULES = ("proportional", "next_below")  # scheduler.IDLE_SHARE_RULES: settings stays import-light
 FETCH_MODES = ("get", "consume")
+#: Default slice length as a fraction of ``prio_realtime_target``. A realtime arrival on a busy
+#: one-slot worker waits for the rest of the running slice plus the element in progress, so with
+#: elements up to half the target, half the target for the slice keeps the total inside it.
+SLICE_FRACTION = 0.5
+
+
+def derived_slices(realtime_target: float) -> dict[str, float | None]:
+    """The slice lengths ``prio_slice`` defaults to: realtime never yields, batch and offline after a fraction."""
+    return {"realtime": None, "batch": realtime_target * SLICE_FRACTION, "offline": realtime_target * SLICE_FRACTION}
+
 
 DEFAULTS: dict[str, Any] = {
     "weights": {"realtime": 8, "batch": 2, "offline": 1},
     "reserve": None,  # None = 1 slot when concurrency >= 2, else 0
     "min_share": 5,  # offline's floor while it has work: per cent of slot time (count mode: dispatches per 100)
     "aging": {"realtime": None, "batch": 1800, "offline": 1800},
+    # The seed's realtime latency target (seconds, P99): what the derived defaults below are made from.
+    "realtime_target": 0.2,
     # GPU time slices: a task looping through celery_prio.slices() gives its slot back after
-    # holding it this long (seconds) when a higher tier waits. Realtime never yields.
-    "slice": {"realtime": None, "batch": 0.2, "offline": 0.5},
+    # holding it this long (seconds) when a higher tier waits. Realtime never yields. None (the
+    # default): SLICE_FRACTION of prio_realtime_target for batch and offline; a dict overrides per tier.
+    "slice": None,
     # Sub-queues inside a tier (tenants, jobs): <prefix>.<tier>.<name>, sharing the tier's slot time by run time.
     "subqueue_weights": {},  # {"batch": {"acme": 3}}: weight of a sub-queue inside its tier (default 1)
     "subqueue_key": None,  # callable(task_name, args, kwargs, options) -> sub-queue or None; or "module:function"
@@ -184,6 +197,7 @@ class PrioSettings:
     reserve: int | None
     min_share: float
     aging: dict[Tier, float | None]
+    realtime_target: float
     slice: dict[Tier, float | None]
     subqueue_weights: dict[Tier, dict[str, float]]
     subqueue_key: Any
@@ -225,6 +239,20 @@ class PrioSettings:
     def subqueue_registry(self) -> str:
         """Redis set of every sub-queue published to (workers discover sub-queues from it)."""
         return f"{self.queue_prefix}.subqueues"
+
+    @property
+    def subqueue_registry_version(self) -> str:
+        """Redis counter bumped whenever a name joins the registry (the fetch script returns it)."""
+        return f"{self.subqueue_registry}.version"
+
+    @property
+    def serving_key(self) -> str:
+        """Redis hash: worker -> the tiers it serves (beside its heartbeat: a queue nobody serves is seen)."""
+        return f"{self.queue_prefix}.serving"
+
+    def presence_queue(self, tier: Tier) -> str:
+        """RabbitMQ: the queue whose consumers are the workers serving ``tier`` (it never holds a message)."""
+        return f"{self.queue_prefix}.serving.{tier.label}"
 
     @property
     def owners_key(self) -> str:
@@ -385,8 +413,9 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         seconds = None if v is None else _number(f"aging[{t.label}]", v, minimum=0)
         aging[t] = None if t is Tier.REALTIME else seconds  # realtime has no tier above it
 
+    realtime_target = _number("realtime_target", raw["realtime_target"], minimum=0, inclusive=False)
     slices: dict[Tier, float | None] = {}
-    for t, v in _per_tier("slice", raw["slice"], DEFAULTS["slice"]).items():
+    for t, v in _per_tier("slice", raw["slice"], derived_slices(realtime_target)).items():
         if t is Tier.REALTIME and v is not None:
             raise ConfigError(f"prio_slice[realtime] must be None: realtime never yields its slot, got {v!r}")
         slices[t] = None if v is None else _number(f"slice[{t.label}]", v, minimum=0, inclusive=False)
@@ -469,6 +498,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         reserve=reserve,
         min_share=min_share,
         aging=aging,
+        realtime_target=realtime_target,
         slice=slices,
         subqueue_weights=subqueue_weights,
         subqueue_key=subqueue_key,

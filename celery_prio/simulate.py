@@ -12,7 +12,10 @@ backlogs, run-time distributions, a per-task dispatch overhead (broker round
 trips and the pool hand-off), aging (promotion into the upper tier's front
 lane past the threshold, every ``prio_aging_interval``) and GPU time slices
 (a task made of elements yields between them the way ``celery_prio.slices``
-does). Not modelled: sub-queues, SJF, capacity caps, broker failures.
+does). Not modelled: sub-queues, SJF order among several realtime task
+names, capacity caps, broker failures. A workload whose outcome would depend
+on the first two is refused with the reason (``unmodelled``), never
+simulated wrongly.
 
 A workload is a small spec (YAML or JSON)::
 
@@ -137,6 +140,7 @@ class Workload:
     grace: float = 3.0  # simulated time after the arrivals end, for what is still running
     seed: int = 7
     arrivals: list[tuple[float, Stream, float]] | None = None  # a trace: (at, stream, run time)
+    queues: frozenset[str] = frozenset()  # a trace: the queues its tasks were fetched from
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Workload:
@@ -190,7 +194,8 @@ class Workload:
             arrivals.append((float(r["enqueued_at"]) - t0, stream, max(float(r["end"]) - float(r["start"]), 0.0)))
         arrivals.sort(key=lambda a: a[0])
         duration = max(a[0] for a in arrivals) + 1e-3
-        return cls(duration, list(streams.values()), workers, concurrency, arrivals=arrivals)
+        queues = frozenset(str(r["queue"]) for r in usable if isinstance(r.get("queue"), str))
+        return cls(duration, list(streams.values()), workers, concurrency, arrivals=arrivals, queues=queues)
 
 
 def _trace_row_ok(row: Mapping[str, Any]) -> bool:
@@ -328,8 +333,31 @@ class _Worker:
         self.loop.settle(self.held)
 
 
+def unmodelled(workload: Workload, settings: PrioSettings) -> str | None:
+    """Why the simulator cannot stand for ``workload`` under ``settings`` (None: it can)."""
+    names = sorted({s.name or "(unnamed)" for s in workload.streams if s.tier is Tier.REALTIME})
+    if settings.sjf and len(names) > 1:
+        return (
+            f"the realtime streams name {len(names)} tasks ({', '.join(names)}) and prio_sjf is on: the simulator "
+            "does not model shortest-job-first order between them; give them one name, or compare with --set sjf=false"
+        )
+    subqueues = sorted(
+        q
+        for q in workload.queues
+        if (tier := settings.tier_for_queue(q)) is not None
+        and (sub := settings.subqueue_of(q, tier)) is not None
+        and not sub.startswith("sjf-")
+    )
+    if subqueues:
+        return f"the trace uses sub-queues ({', '.join(subqueues[:5])}), which the simulator does not model"
+    return None
+
+
 class Simulation:
     def __init__(self, workload: Workload, settings: PrioSettings) -> None:
+        problem = unmodelled(workload, settings)
+        if problem:
+            raise ValueError(f"cannot simulate this workload: {problem}")
         self.workload = workload
         self.settings = settings
         self.loop = SimLoop()

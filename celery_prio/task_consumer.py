@@ -11,6 +11,7 @@ ended (the ledger), what the worker reports.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 from celery.utils.log import get_logger
@@ -28,11 +29,16 @@ from .settings import PrioSettings
 from .slice_board import board
 from .stats import WorkerStats
 from .superseded import generation_of, superseded
-from .tiers import Tier
+from .tiers import TIERS, Tier
+from .unserved import UNSERVED_CHECK_INTERVAL, EveryMinute, UnservedTracker, app_queues
 from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 
 logger = get_logger(__name__)
 
+#: This worker process's incarnation. The owner of what it fetches is node name + this, so a process
+#: restarted under the same node name (a pod or systemd unit coming back after an OOM kill) is a new
+#: owner, and what the dead one had in flight is returned once its heartbeats stop.
+INCARNATION = uuid.uuid4().hex[:12]
 RECONCILE_INTERVAL = 1.0  # seconds between sweeps for requests that ended off the pool
 FIGURES_INTERVAL = 2.0  # seconds between reads of broker-wide figures for the report
 # GPU time slices: how often the board tells running sliced tasks which tiers
@@ -57,7 +63,9 @@ class TierFetcher:
             )
         self.queues: list[Any] = []
         self.served = ServedQueues(settings)
-        self.source = fetch_source_for(consumer.app, consumer.connection, self.served, settings, consumer.hostname)
+        self.source = fetch_source_for(
+            consumer.app, consumer.connection, self.served, settings, f"{consumer.hostname}#{INCARNATION}"
+        )
         concurrency = self._concurrency()
         self.scheduler = TierScheduler(
             weights=settings.weights,
@@ -91,11 +99,15 @@ class TierFetcher:
         for queue in consumer.app.amqp.queues.consume_from.values():
             self.add_queue(queue)
         if settings.sjf:
-            # Shortest-first queues of the realtime tasks this worker knows: served from the start,
-            # without waiting for discovery (which RabbitMQ only offers through its management API).
-            known = sjf_queues(settings, consumer.app.tasks)
+            # Shortest-first queues served from the start, without waiting for discovery: every registered
+            # task's where asking more queues is free (Redis), else those of the tasks tiered realtime
+            # (the rest are pushed to the worker through the registry as they are first published to).
+            known = sjf_queues(settings, consumer.app.tasks, every_task=self.source.asks_all_queues_in_one_call)
             self.source.prepare_subqueues(known)
             self.served.set_known(known)
+        self.unserved = UnservedTracker()
+        self._unserved_log = EveryMinute()
+        self._discovery_log = EveryMinute()
 
     # -- kombu.Consumer look-alike ------------------------------------------
     @property
@@ -137,6 +149,10 @@ class TierFetcher:
             return
         # Before the first fetch: boosts from now on wait for this worker's answer, earlier ones are read here.
         superseded.merge(self.source.join_fleet(), time.time())
+        global _CONNECTIONS
+        _CONNECTIONS += 1
+        if _CONNECTIONS > 1:  # a reconnect: what was fetched on the connection that died and is not held
+            self.source.recover_own(_held_delivery_tags())
         self.loop.start()
         jobs = [
             # Safety net for requests that end without a pool callback
@@ -145,6 +161,7 @@ class TierFetcher:
             Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
             Job(SLICE_CHECK_INTERVAL, self._check_slices, "tell sliced tasks whom they yield to"),
             Job(self.source.discovery_interval, self._discover_subqueues, "discover sub-queues"),
+            Job(UNSERVED_CHECK_INTERVAL, self._check_unserved, "look for queues nobody serves"),
             *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
         ]
         self._read_figures()
@@ -216,6 +233,35 @@ class TierFetcher:
         names = self.source.discover_subqueues()
         if names is not None and names != self.served.discovered:
             self.served.set_discovered(names)
+        problem = self.source.discovery_problem
+        if self._discovery_log.due(time.monotonic(), problem is not None):
+            logger.warning(
+                "celery-prio: this worker cannot discover new sub-queues of %s: %s (queues it found so far are "
+                "still served; new tenants' and per-call realtime tasks' queues wait until it can)",
+                ", ".join(t.label for t in self.served.tiers),
+                problem,
+            )
+
+    def _check_unserved(self) -> None:
+        """Queues with messages whose tier no live worker serves; only tiers this worker does not serve
+        need a look (it serves the others itself), so a worker that serves every tier asks nothing."""
+        now = time.monotonic()
+        missing = [t for t in TIERS if t not in self.served.tiers]
+        depths: list[tuple[str, Tier, int]] = []
+        serving: dict[Tier, int] | None = {}
+        if missing:
+            serving = self.source.fleet_serving()
+            if serving is None:
+                return  # the broker cannot say now: keep the last figures
+            queues = app_queues(self.settings, self.served.discovered, missing)
+            counts = self.source.queue_depths([name for name, _ in queues])
+            depths = [(name, tier, n) for (name, tier), n in zip(queues, counts, strict=True)]
+        rows = self.unserved.update(now, depths, serving)
+        if self._unserved_log.due(now, bool(rows)):
+            logger.warning(
+                "celery-prio: messages wait where no live worker serves their tier: %s",
+                "; ".join(f"{r.queue} ({r.depth} waiting, {r.seconds:.0f} s, tier {r.tier})" for r in rows),
+            )
 
     def _read_figures(self) -> None:
         self.figures = self.source.broker_figures(time.monotonic())
@@ -280,10 +326,22 @@ class TierFetcher:
             slice_lengths=self.settings.slice,
             stale_skipped=superseded.skipped,
             held=self.source.held,
+            unserved=self.unserved.rows,
+            discovery_problem=self.source.discovery_problem,
         )
 
     def info(self) -> dict[str, Any]:
         return self.report().as_dict()
+
+
+#: Connections this worker process has fetched on (more than one: it reconnected).
+_CONNECTIONS = 0
+
+
+def _held_delivery_tags() -> set[str]:
+    """Delivery tags of every request this process still runs or will run (active, reserved, ETA)."""
+    requests = [*worker_state.active_requests, *worker_state.reserved_requests, *worker_state.scheduled_requests]
+    return {str(tag) for r in requests if (tag := getattr(getattr(r, "message", None), "delivery_tag", None))}
 
 
 def _guarded(job: Job) -> Any:

@@ -73,12 +73,21 @@ def redis_envelope_problem(payload: Any) -> str | None:
     return headers_problem(payload.get("headers"))
 
 
+def decode_problem(exc: BaseException) -> str:
+    """The dead-letter reason for what Python's JSON decoder raised on an element Redis' cjson accepted."""
+    if isinstance(exc, RecursionError):
+        return "malformed: too deeply nested for Python's JSON decoder (RecursionError)"
+    if isinstance(exc, MemoryError):
+        return "malformed: too large to decode (MemoryError)"
+    return f"malformed: not JSON ({exc.__class__.__name__})"
+
+
 def decode_redis_element(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
     """``(envelope, None)`` for a usable element, ``(None, reason)`` otherwise."""
     try:
         payload = json.loads(raw)
-    except (ValueError, TypeError) as exc:
-        return None, f"malformed: not JSON ({exc.__class__.__name__})"
+    except Exception as exc:  # RecursionError and MemoryError too: anything the decoder raises
+        return None, decode_problem(exc)
     problem = redis_envelope_problem(payload)
     return (None, problem) if problem else (payload, None)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -103,14 +104,20 @@ class PrioEnv:
         }
 
     def start_worker(
-        self, concurrency: int = 4, wait: bool = True, env_extra: dict[str, str] | None = None, **kwargs: Any
+        self,
+        concurrency: int = 4,
+        wait: bool = True,
+        env_extra: dict[str, str] | None = None,
+        hostname: str | None = None,
+        **kwargs: Any,
     ) -> WorkerProcess:
+        """A real worker; ``hostname`` gives it a node name (default: one of its own per worker)."""
         n = len(self.workers)
         worker = WorkerProcess(
             "tests.workerapp",
             log_path=self.tmp_path / f"worker{n}.log",
             concurrency=concurrency,
-            hostname=f"w{n}-{self.prefix}@%h",
+            hostname=hostname or f"w{n}-{self.prefix}@%h",
             env={**self.worker_env(), **(env_extra or {})},
             cwd=ROOT,
             **kwargs,
@@ -159,14 +166,61 @@ class PrioEnv:
                 for key in self.adapter.client.scan_iter(f"{self.prefix}.*"):
                     self.adapter.client.delete(key)
             else:
-                from celery_prio.brokers.amqp_management import ManagementClient
-
-                listing = ManagementClient("http://127.0.0.1:15672", "/", ("guest", "guest")).list_queues(
-                    rf"^{self.prefix}\."
-                )
-                self.adapter.delete_queues([name for name, _ in listing or []])
+                # Found through the broker itself (the registry stream), management API or not; what is
+                # left (slice markers) goes in the session's last sweep (``_sweep_rabbitmq_test_queues``).
+                self.adapter.delete_queues(amqp_app_queues(self.adapter, load_settings(self.app.conf)))
         finally:
             self.adapter.close()
+
+
+def amqp_app_queues(adapter, settings) -> list[str]:
+    """Every RabbitMQ queue of an app that its name tells: sub-queues (registry), presence, fleet, journals."""
+    names = adapter.subqueues(settings)
+    names += [settings.presence_queue(t) for t in TIERS]
+    names += [settings.subqueue_registry, f"{settings.queue_prefix}.fleet", f"{settings.queue_prefix}.boosts"]
+    return names
+
+
+TEST_QUEUE = re.compile(r"^(t|bench)[0-9a-f]{8,10}\.")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sweep_rabbitmq_test_queues():
+    """At the end of the run, delete every queue a test prefix left on the machine's RabbitMQ (slice markers,
+    queues of killed runs), listed with ``rabbitmqctl`` so that no management plugin is needed."""
+    yield
+    if not _reachable(AMQP_URL):
+        return
+    try:
+        listed = subprocess.run(
+            ["rabbitmqctl", "-q", "list_queues", "name", "--no-table-headers"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    from kombu import Connection
+
+    with Connection(AMQP_URL) as conn:
+        channel = conn.channel()
+        for name in (n for n in listed if TEST_QUEUE.match(n)):
+            channel.queue_delete(queue=name)
+
+
+def management_api_up() -> bool:
+    """Whether the machine's RabbitMQ answers its management API (the plugin is off in the stock image)."""
+    try:
+        with socket.create_connection(("127.0.0.1", 15672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def need_management_api() -> None:
+    if not management_api_up():
+        pytest.skip("RabbitMQ's management plugin is off (rabbitmq-plugins enable rabbitmq_management turns it on)")
 
 
 @pytest.fixture(params=["redis", "amqp"])
@@ -189,6 +243,22 @@ def redis_env(tmp_path):
 @pytest.fixture
 def amqp_env(tmp_path):
     yield from _one_broker_env("amqp", tmp_path)
+
+
+def closed_management_url() -> str:
+    """A management API URL where nothing listens: RabbitMQ as the stock image runs it (no plugin)."""
+    from celery_prio.tools.workers import free_port
+
+    return f"http://guest:guest@127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(params=["redis", "amqp", "amqp_no_management"])
+def stock_env(request, tmp_path):
+    """Redis, RabbitMQ as this machine runs it, and RabbitMQ with ``prio_management_url`` at a closed port."""
+    if request.param == "amqp_no_management":
+        yield from _one_broker_env("amqp", tmp_path, management_url=closed_management_url())
+    else:
+        yield from _one_broker_env(request.param, tmp_path)
 
 
 @pytest.fixture

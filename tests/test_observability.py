@@ -77,7 +77,7 @@ def test_prometheus_endpoint_parses_with_per_tier_series(env):
     counts = [s for s in families["celery_prio_wait_seconds"].samples if s.name.endswith("_count")]
     assert all(s.value == 3 for s in counts)
     slice_length = {s.labels["tier"]: s.value for s in families["celery_prio_slice_seconds"].samples}
-    assert slice_length == {"batch": 0.2, "offline": 0.5}  # realtime never yields: no series
+    assert slice_length == {"batch": 0.1, "offline": 0.1}  # half of prio_realtime_target; realtime: no series
     yields = {s.labels["tier"]: s.value for s in families["celery_prio_yields"].samples if s.name.endswith("_total")}
     assert yields == {"realtime": 0, "batch": 0, "offline": 0}
 

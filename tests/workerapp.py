@@ -71,6 +71,11 @@ def make_app(
             where.apply_async(kwargs={"tag": tag + "-child"})
         return tag
 
+    @app.task(shared=False, name="t.routed")
+    def routed(tag: str, seconds: float) -> str:
+        """No tier of its own: tests route it with prio_routes."""
+        return sleep(tag, seconds)
+
     @app.task(shared=False, name="t.rt_short", tier="realtime")
     def rt_short(tag: str, seconds: float) -> str:
         return sleep(tag, seconds)

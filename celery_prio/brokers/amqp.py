@@ -32,6 +32,7 @@ from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import death_records
 from .amqp_management import management_client
+from .amqp_registry import Presence, RegistryFollower, existing_depths, read_registry, serving_counts
 from .base import Broker, FetchSource, Take
 from .publishing import BulkSession, fast_json
 
@@ -238,8 +239,15 @@ class AmqpAdapter(Broker):
             return 0
 
     def subqueues(self, settings: PrioSettings) -> list[str]:
-        """Listed by the management API (depths are then read exactly, queue by queue)."""
-        return [name for name, _ in listed_subqueues(self.app, settings) or []]
+        """The registry's sub-queues, and those the management API lists where it answers."""
+        listed = [name for name, _ in listed_subqueues(self.app, settings) or []]
+        return list(dict.fromkeys([*read_registry(self.connection.connection, settings), *listed]))
+
+    def serving(self, settings: PrioSettings) -> dict[Tier, int]:
+        return serving_counts(self.connection.connection, settings)
+
+    def depths(self, queues: list[str]) -> list[int]:
+        return existing_depths(self.connection.connection, queues)
 
     def delete_queues(self, queues: list[str]) -> None:
         channel = self._channel()
@@ -428,7 +436,14 @@ class AmqpFetchSource(FetchSource):
         self.app = app
         self.channel = declare_tier_queues(channel, settings)
         self._listed_empty: set[str] = set()
-        self._warned_listing = False
+        self._listed: list[str] = []  # sub-queues the management API listed (where it answers)
+        self._listing_retry_at = 0.0
+        # Sub-queues found through the registry stream (pushed: brokers/amqp_registry.py), declared here
+        # on the loop before they are asked; and this worker's presence in the tiers it serves.
+        self.follower = RegistryFollower(settings, on_new=lambda names: self.on_arrival())
+        self._absorbed = -1  # ``follower.version`` whose names are served
+        self._declared: set[str] = set()
+        self.presence = Presence(settings, quorum_arguments(settings, {}) or None)
         self.accept = prepare_accept_content(app.conf.accept_content)
         self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
         self._probe_interval = settings.poll_interval * PROBE_FRACTION
@@ -447,6 +462,7 @@ class AmqpFetchSource(FetchSource):
         the one taken goes back to its queue (``basic_reject`` with requeue:
         RabbitMQ puts it back where it was).
         """
+        self._follow_registry()
         now = time.monotonic()
         plan: list[tuple[Tier, str]] = []
         for tier in order:
@@ -500,34 +516,75 @@ class AmqpFetchSource(FetchSource):
             return since < max(self._probe_interval, len(self._listed_empty) / IDLE_PROBE_BUDGET)
         return since < self._probe_interval
 
-    discovery_interval = 1.0  # one management API request per worker per second
+    #: Seconds between looks at what the registry's follower and the management API (where it answers) found.
+    discovery_interval = 1.0
+    #: After the management API did not answer, it is asked again only after this many seconds: it is optional.
+    LISTING_RETRY = 60.0
 
     def prepare_subqueues(self, names: list[str]) -> None:
         for name in names:
             tier = self.settings.tier_for_queue(name)
             if tier is not None:
                 self.channel = declare_subqueue(self.channel, self.settings, tier, name)
+                self._declared.add(name)
+
+    def _follow_registry(self) -> None:
+        """Serve the sub-queues the registry pushed since the last fetch (declared first: a basic_get of a
+        missing queue would close the channel), and keep this worker's presence in step with its tiers."""
+        if self.follower.version != self._absorbed:
+            self._absorbed = self.follower.version
+            self.prepare_subqueues([n for n in self.follower.names if n not in self._declared])
+            # Added to what is served, never replacing it: the registry only grows (a queue another path
+            # found, such as a listing, stays served).
+            names = list(dict.fromkeys([*self.served.discovered, *self.follower.names, *self._listed]))
+            if names != self.served.discovered:
+                self.served.set_discovered(names)
+        if self.presence.tiers != set(self.served.tiers):
+            self.presence.keep(self.channel.connection, self.served.tiers)
 
     def discover_subqueues(self) -> list[str] | None:
-        """Sub-queues from the management API's queue list (RabbitMQ has no other way to list queues).
+        """The registry's sub-queues, and those the management API lists where it answers.
 
-        Those it lists with no message ready share ``IDLE_PROBE_BUDGET``
-        basic_gets a second between them.
+        The registry is enough; the listing adds two things when it is
+        there: sub-queues published to before this release's registry
+        existed, and which of them are empty (those share
+        ``IDLE_PROBE_BUDGET`` basic_gets a second between them).
         """
-        listing = listed_subqueues(self.app, self.settings)
-        if listing is None:
-            if not self._warned_listing:
-                self._warned_listing = True
-                logger.warning(
-                    "celery-prio: the RabbitMQ management API (prio_management_url) cannot list queues: "
-                    "sub-queues are served only where a worker names them (-Q or add_consumer)"
-                )
-            return None
-        self._listed_empty = {name for name, ready in listing if ready == 0}
-        return [name for name, _ in listing]
+        if self.follower.channel is None:
+            self._restart_follower()
+        self.discovery_problem = self.follower.problem
+        now = time.monotonic()
+        if now >= self._listing_retry_at:
+            listing = listed_subqueues(self.app, self.settings)
+            if listing is None:
+                self._listing_retry_at = now + self.LISTING_RETRY
+                self._listed_empty = set()
+            else:
+                self._listed_empty = {name for name, ready in listing if ready == 0}
+                fresh = [name for name, _ in listing if name not in self._declared]
+                self._declared.update(fresh)  # listed: it exists
+                self._listed = [name for name, _ in listing]
+        self._absorbed = -1  # serve what both found now
+        self._follow_registry()
+        return self.served.discovered
+
+    def _restart_follower(self) -> None:
+        try:
+            self.follower.start(self.channel.connection)
+        except self.channel.connection.connection_errors:
+            raise  # the consumer reconnects and starts again
+        except Exception:
+            logger.exception("celery-prio: %s", self.follower.problem)
+
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        return serving_counts(self.channel.connection, self.settings)
 
     def join_fleet(self) -> list[list[Any]]:
         from .amqp_boost import join_fleet, read_journal
+
+        # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
+        self._restart_follower()
+        self.presence.keep(self.channel.connection, self.served.tiers)
 
         # On the worker's own connection: counted while it is up (and its control queue with it).
         # A worker that cannot join still runs (fetching matters more), but boosts may then miss it.
@@ -583,8 +640,8 @@ class AmqpFetchSource(FetchSource):
         return message
 
     def queue_depths(self, names: list[str]) -> list[int]:
-        # Served queues exist (declared at start or found listed), so a passive declare does not 404.
-        return [int(self.channel.queue_declare(queue=name, passive=True).message_count) for name in names]
+        # On a probe channel: a queue deleted since it was found closes that channel, not the fetch channel.
+        return existing_depths(self.channel.connection, names)
 
     def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
         self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from amqp.exceptions import NotFound
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ..settings import PrioSettings
 from ..tiers import Tier
+from .amqp_registry import read_to_marker
 from .base import Boost
 from .continuations import _aging_expiration
 from .redis_boost import boost_lane
@@ -263,40 +263,18 @@ def read_journal(connection: Any, settings: PrioSettings) -> list[list[Any]]:
     Reads up to a marker appended here, so nothing written before the call is
     missed. ``connection`` is a py-amqp connection of its own (this drains its events).
     """
-    channel = connection.channel()
-    try:
-        declare_journal(channel, settings)
-        marker = uuid.uuid4().hex
-        channel.basic_publish_confirm(
-            amqp.Message(b"", application_headers={"marker": marker}), exchange="", routing_key=journal_name(settings)
-        )
-        records: OrderedDict[str, list[Any]] = OrderedDict()
-        done = []
+    records: OrderedDict[str, list[Any]] = OrderedDict()
 
-        def on_record(message: Any) -> None:
-            headers = message.headers or {}
-            channel.basic_ack(message.delivery_tag)
-            if headers.get("marker") == marker:
-                done.append(True)
-                return
-            task_id, gen = headers.get("id"), headers.get("gen")
-            if not isinstance(task_id, str) or not isinstance(gen, int):
-                return  # not a boost record: anyone can publish here
-            if headers.get("withdrawn"):
-                if records.get(task_id, [None, None])[1] == gen:
-                    del records[task_id]
-            else:
-                records[task_id] = [task_id, gen, headers.get("at")]
+    def on_record(headers: dict) -> None:
+        task_id, gen = headers.get("id"), headers.get("gen")
+        if not isinstance(task_id, str) or not isinstance(gen, int):
+            return  # not a boost record: anyone can publish here
+        if headers.get("withdrawn"):
+            if records.get(task_id, [None, None])[1] == gen:
+                del records[task_id]
+        else:
+            records[task_id] = [task_id, gen, headers.get("at")]
 
-        channel.basic_qos(0, 1000, False)
-        channel.basic_consume(journal_name(settings), callback=on_record, arguments={"x-stream-offset": "first"})
-        deadline = time.monotonic() + JOURNAL_READ_TIMEOUT
-        while not done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"celery-prio: could not read {journal_name(settings)} to its end")
-            connection.drain_events(timeout=left)
-        return list(records.values())
-    finally:
-        if channel.is_open:
-            channel.close()
+    declare = lambda channel: declare_journal(channel, settings)  # noqa: E731
+    read_to_marker(connection, journal_name(settings), declare, on_record, JOURNAL_READ_TIMEOUT)
+    return list(records.values())

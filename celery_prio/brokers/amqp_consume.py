@@ -170,6 +170,7 @@ class AmqpConsumeSource(AmqpFetchSource):
     # -- fetching ----------------------------------------------------------------
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: a pushed queue's from the hand, any other queue's by ``basic_get``."""
+        self._follow_registry()
         self._keep_consumers()
         now = time.monotonic()
         plan: list[tuple[Tier, str]] = []  # queues to basic_get, in asking order, before the first one in hand

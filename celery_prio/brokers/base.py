@@ -117,12 +117,26 @@ class FetchSource(ABC):
     def prepare_subqueues(self, names: list[str]) -> None:  # noqa: B027 - most brokers need nothing
         """Make sure the sub-queues ``names`` exist before they are asked (RabbitMQ: asking a missing one fails)."""
 
-    #: Seconds between looks for new sub-queues (a new tenant's first task waits up to about this).
+    #: Seconds between looks for new sub-queues, where the broker does not tell the worker of them itself.
     discovery_interval = 2.0
+    #: True where one call asks all of a worker's queues (Redis' fetch script): the worker then serves the
+    #: shortest-first queue of every task it has registered from the start, with no discovery at all.
+    asks_all_queues_in_one_call = False
+    #: Why this worker cannot find new sub-queues now, or None; reported with the worker's figures.
+    discovery_problem: str | None = None
 
     def discover_subqueues(self) -> list[str] | None:
         """Every sub-queue published to (``<prefix>.<tier>.<name>``); None when the broker cannot say now."""
         return None
+
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        """How many live workers serve each tier (this one included); None when the broker cannot say now."""
+        return None
+
+    def recover_own(self, held: set[str]) -> int:
+        """After a reconnect: return to their queues the messages this process fetched on a connection that
+        died and no longer holds (``held``: delivery tags it still runs or waits to run). How many."""
+        return 0
 
     def join_fleet(self) -> list[list[Any]]:
         """Called before the first fetch: count this worker among those a boost asks; the boost records it
@@ -165,9 +179,17 @@ class Broker(ABC):
     def depth(self, queue: str) -> int:
         """Messages waiting in ``queue`` (not counting those held unacked by workers); 0 if it does not exist."""
 
+    def depths(self, queues: list[str]) -> list[int]:
+        """``depth`` of each queue."""
+        return [self.depth(q) for q in queues]
+
     def subqueues(self, settings: PrioSettings) -> list[str]:
         """This app's sub-queues the broker knows of (``<prefix>.<tier>.<name>``)."""
         return []
+
+    def serving(self, settings: PrioSettings) -> dict[Tier, int] | None:
+        """How many live workers serve each tier; None where the broker cannot say."""
+        return None
 
     def tier_depth(self, settings: PrioSettings, tier: Tier) -> int:
         """Messages waiting in ``tier``: its queue and its sub-queues (the front lane not counted)."""

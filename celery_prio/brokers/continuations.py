@@ -84,12 +84,15 @@ class _ProcessConnection:
             if settings.sjf:
                 from ..routing import sjf_queues
 
-                names = [*names, *sjf_queues(settings, app.tasks)]
+                names = [*names, *sjf_queues(settings, app.tasks, every_task=self.every_task_sjf)]
             self._subqueues = (now, names)
         return self._subqueues[1]
 
     def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
         raise NotImplementedError
+
+    #: Counts every registered task's shortest-first queue (as the worker serves them: see ``sjf_queues``).
+    every_task_sjf = False
 
 
 SUBQUEUE_LIST_TTL = 2.0  # seconds a pool child reuses its list of a tier's sub-queues
@@ -104,6 +107,8 @@ def tier_queues(settings: PrioSettings, tier: Tier, subqueues: list[str]) -> lis
 
 
 class RedisContinuations(_ProcessConnection):
+    every_task_sjf = True  # one pipelined LLEN each: a missing list costs nothing
+
     def _client(self, app: Any) -> Any:
         return self.connection(app).default_channel.client
 
@@ -156,10 +161,27 @@ class AmqpContinuations(_ProcessConnection):
     # A channel is either in confirm mode or in a transaction: this connection's are not in confirm mode.
     transport_options = {"confirm_publish": False}
 
-    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
-        from .amqp import listed_subqueues
+    _follower: Any = None
 
-        return [name for name, _ in listed_subqueues(app, settings) or []]
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        """The registry's sub-queues (they exist: declared before they were announced), followed on this
+        process's connection: its first call reads what is there, later ones only what arrived since."""
+        from .amqp_registry import RegistryFollower
+
+        conn = self.connection(app)
+        follower, quiet = self._follower, 0.002  # what arrived since is in the socket's buffer already
+        if follower is None or follower.connection is not conn or follower.pid != os.getpid():
+            follower, quiet = RegistryFollower(settings), 0.05
+            follower.start(conn.connection)
+            follower.connection, follower.pid = conn, os.getpid()
+            self._follower = follower
+        try:
+            follower.catch_up(conn, quiet)
+        except conn.connection_errors:
+            self.forget()
+            self._follower = None
+            raise
+        return list(follower.names)
 
     def _with_channel(self, app: Any, work: Callable[[Any], Any]) -> Any:
         conn = self.connection(app)

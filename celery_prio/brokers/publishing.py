@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 from kombu import Connection, Exchange, Queue
@@ -33,17 +34,24 @@ class Publishing:
 
     def __init__(self) -> None:
         self._subqueues: dict[str, Queue] = {}
+        self._introduced_at: dict[str, float] = {}  # monotonic time each sub-queue was last made known
         self._subqueues_lock = threading.Lock()
+
+    #: A sub-queue in use is introduced again this often (the registry may forget names unused for long).
+    REINTRODUCE_AFTER = 24 * 3600.0
 
     def subqueue(self, app: Any, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
         """The kombu Queue of a sub-queue, made known to the workers (and declared) on first use in this process."""
         name = settings.subqueue_name(tier, subqueue)
         queue = self._subqueues.get(name)
-        if queue is None:
+        if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
             with self._subqueues_lock:
                 queue = self._subqueues.get(name)
-                if queue is None:
+                if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
+                    # Before the first message: a worker serves the queue from that message on.
                     self.introduce_subqueue(app, settings, tier, name)
+                    self._introduced_at[name] = time.monotonic()
+                if queue is None:
                     from ..routing import register_subqueue
 
                     register_subqueue(name)  # stamped like a tier queue
@@ -178,11 +186,11 @@ class RedisPublishing(Publishing):
     kind = "redis"
 
     def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
-        # Workers read the registry every few seconds (RedisFetchSource.discover_subqueues).
+        # Every fetch script call returns the registry's version: a worker re-reads the set when it moved.
         with app.connection_for_write() as conn:
             client = conn.default_channel.client
             if client.sadd(settings.subqueue_registry, name):
-                client.incr(settings.subqueue_registry + ".version")  # workers poll this, not the whole set
+                client.incr(settings.subqueue_registry_version)
 
     @functools.cached_property
     def continuations(self) -> Any:
@@ -236,14 +244,16 @@ class AmqpPublishing(Publishing):
         self._declared = threading.Event()
 
     def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
-        # Declared with the tier's aging and the sub-queue's cap; workers find it through the
-        # management API's queue listing (AmqpFetchSource.discover_subqueues).
+        # Declared with the tier's aging and the sub-queue's cap, then appended to the registry stream
+        # that every worker follows (brokers/amqp_registry.py): no management API needed.
         from .amqp import declare_subqueue
+        from .amqp_registry import announce
 
         self.before_send(app, settings)
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=3)
-            declare_subqueue(conn.channel(), settings, tier, name)
+            channel = declare_subqueue(conn.channel(), settings, tier, name)
+            announce(channel, settings, name)
 
     @functools.cached_property
     def continuations(self) -> Any:

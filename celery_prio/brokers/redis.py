@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -13,7 +14,7 @@ from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
 from ..served import AGING_TIERS, Candidate, ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
-from ..untrusted import decode_redis_element, enqueue_age
+from ..untrusted import decode_problem, decode_redis_element, enqueue_age
 from .base import Broker, BrokerFigures, FetchSource, Job, Take
 from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, HEARTBEAT, PROMOTE, STAMP, SWEEP_DEAD_OWNERS
 from .redis_transport import drain_rate, registered_subqueues
@@ -24,6 +25,10 @@ logger = logging.getLogger(__name__)
 AGING_WINDOW = 100
 #: Garbage one aging pass moves aside at most: a pass stays short, the next goes on.
 MAX_DEAD_PER_PASS = 1000
+
+
+#: A worker whose last heartbeat (every second) is older than this no longer counts as serving its tiers.
+PRESENCE_FRESH = 5.0
 
 
 def _text(value: Any) -> str:
@@ -52,6 +57,23 @@ class RedisAdapter(Broker):
 
     def subqueues(self, settings: PrioSettings) -> list[str]:
         return registered_subqueues(self.client, settings.subqueue_registry)
+
+    def serving(self, settings: PrioSettings) -> dict[Tier, int]:
+        """Live workers per tier: a fresh heartbeat, and the tiers it last said it serves."""
+        now = self.client.time()
+        now = now[0] + now[1] / 1e6
+        beats = self.client.hgetall(settings.heartbeats_key)
+        out = dict.fromkeys(TIERS, 0)
+        for worker, tiers in self.client.hgetall(settings.serving_key).items():
+            try:
+                alive = now - float(beats.get(worker, b"0")) <= PRESENCE_FRESH
+            except ValueError:  # anyone can write to Redis: an unreadable beat is no live worker
+                alive = False
+            for label in _text(tiers).split(",") if alive else ():
+                tier = next((t for t in TIERS if t.label == label), None)
+                if tier is not None:
+                    out[tier] += 1
+        return out
 
     def delete_queues(self, queues: list[str]) -> None:
         for name in queues:
@@ -232,6 +254,9 @@ class RedisFetchSource(FetchSource):
         self._registry: list[str] | None = None  # sub-queues, as of ``_registry_version``
         self._registry_version: Any = None
 
+    #: One fetch script call asks every served list: serving more queues costs no round trip.
+    asks_all_queues_in_one_call = True
+
     def keys_for(self, queue: str) -> list[str]:
         return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
 
@@ -255,19 +280,36 @@ class RedisFetchSource(FetchSource):
         passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
         return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
 
-    discovery_interval = 0.5  # one GET of the registry's version; the set itself only when it changed
+    #: A safety net only: every fetch already returns the registry's version (see ``_registry_moved``).
+    discovery_interval = 5.0
 
     def discover_subqueues(self) -> list[str] | None:
         registry = self.settings.subqueue_registry
         try:
-            version = self.channel.client.get(registry + ".version")
+            version = self.channel.client.get(self.settings.subqueue_registry_version)
             if version == self._registry_version and self._registry is not None:
                 return self._registry
             members = registered_subqueues(self.channel.client, registry)
-        except self.channel.connection_errors:
+        except self.channel.connection_errors as exc:
+            self.discovery_problem = f"cannot read the sub-queue registry {registry}: {exc!r}"
             return None
+        self.discovery_problem = None
         self._registry_version, self._registry = version, members
         return self._registry
+
+    def _registry_moved(self, version: Any, found: bool) -> None:
+        """A fetch saw the registry at ``version``: a new sub-queue is served from the next fetch on.
+
+        When this fetch found nothing, the loop is woken to ask again at
+        once, so a new sub-queue's first message waits for no poll interval.
+        """
+        if version == self._registry_version:
+            return
+        names = self.discover_subqueues()
+        if names is not None and names != self.served.discovered:
+            self.served.set_discovered(names)
+            if not found:
+                self.on_arrival()
 
     def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
@@ -276,7 +318,7 @@ class RedisFetchSource(FetchSource):
         delivered yet: ask again. ``tiers[i]`` is the tier of ``keys[i]``.
         """
         channel = self.channel
-        hit = self._script(
+        reply = self._script(
             keys=[
                 *keys,
                 channel.unacked_key,
@@ -284,14 +326,15 @@ class RedisFetchSource(FetchSource):
                 self.settings.dead_letter_queue,
                 self.settings.stats_key,
                 self.settings.owners_key,
+                self.settings.subqueue_registry_version,
             ],
             args=[time.time(), *(t.label for t in tiers), self.worker_name],
             client=channel.client,
         )
-        if not hit:
+        position, raw, version = int(reply[0]) - 1, reply[1], reply[2]
+        self._registry_moved(version or None, found=position != -2)
+        if position == -2:
             return None
-        position, raw = hit
-        position = int(position) - 1
         if position < 0:
             logger.error("celery-prio: moved %s malformed element(s) to %s", raw, self.settings.dead_letter_queue)
             return -1, None
@@ -303,7 +346,7 @@ class RedisFetchSource(FetchSource):
             except Exception as exc:  # e.g. a body that is not valid base64
                 problem = f"malformed: kombu cannot read it ({exc!r})"
         if message is None:
-            tag = payload["properties"]["delivery_tag"] if payload else _tag_of(raw)
+            tag = _text(reply[3]) if len(reply) > 3 else _tag_of(raw)  # the script's: cjson read it
             self._dead_letter_raw(raw, problem or "malformed", tiers[position], keys[position], tag)
             return position, None
         message.prio_raw = raw  # dead-lettering later keeps the element exactly as it was
@@ -320,6 +363,7 @@ class RedisFetchSource(FetchSource):
                 channel.unacked_key,
                 channel.unacked_index_key,
                 self.settings.stats_key,
+                self.settings.owners_key,
             ],
             args=[raw, reason, tier.label, time.time(), queue, tag],
             client=channel.client,
@@ -341,13 +385,43 @@ class RedisFetchSource(FetchSource):
             jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
         return jobs
 
+    def recover_own(self, held: set[str]) -> int:
+        """Owned by this incarnation but not in its hands: fetched on the connection that died, whose
+        restore at close failed (Redis was down). A live owner's messages are never swept, so they would
+        stay unacked for good; they go back through kombu's restore now (marked redelivered)."""
+        client, mine, returned = self.channel.client, self.worker_name + "|", 0
+        for tag, owner in client.hscan_iter(self.settings.owners_key, count=SWEEP_BATCH):
+            tag = _text(tag)
+            if _text(owner).startswith(mine) and tag not in held:
+                try:
+                    self.channel.qos.restore_by_tag(tag, client=client, leftmost=False)
+                except self.channel.connection_errors:
+                    raise
+                except Exception as exc:  # kombu cannot read it back: to the dead letters, never stuck here
+                    self._dead_letter_unacked(tag, decode_problem(exc))
+                returned += 1
+        if returned:
+            logger.warning("celery-prio: returned %d message(s) fetched before the reconnect to their queues", returned)
+        return returned
+
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        try:
+            return self.adapter.serving(self.settings)
+        except self.channel.connection_errors:
+            return None
+
     def join_fleet(self) -> list[list[Any]]:
         self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
         return []
 
     def heartbeat(self) -> None:
-        """Say this worker is alive (before its first fetch, then every second)."""
-        self._beat(keys=[self.settings.heartbeats_key], args=[self.worker_name], client=self.channel.client)
+        """Say this worker is alive and which tiers it serves (before its first fetch, then every second)."""
+        tiers = ",".join(t.label for t in self.served.tiers)
+        self._beat(
+            keys=[self.settings.heartbeats_key, self.settings.serving_key],
+            args=[self.worker_name, tiers],
+            client=self.channel.client,
+        )
 
     def _heartbeat(self) -> None:
         try:
@@ -380,12 +454,27 @@ class RedisFetchSource(FetchSource):
                 client=channel.client,
             )
             for tag in tags:
-                channel.qos.restore_by_tag(_text(tag), client=channel.client, leftmost=False)
+                try:
+                    channel.qos.restore_by_tag(_text(tag), client=channel.client, leftmost=False)
+                except channel.connection_errors:
+                    raise
+                except Exception as exc:  # kombu cannot read it back (e.g. nested too deep): never stop here
+                    self._dead_letter_unacked(_text(tag), decode_problem(exc))
         except channel.connection_errors:
             return  # what this sweep took but did not restore is taken again after 10 s (by any worker)
         if tags:
             logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", len(tags))
             self.returned += len(tags)
+
+    def _dead_letter_unacked(self, tag: str, reason: str) -> None:
+        """A swept message kombu cannot restore: to the dead letters as it was stored, owner and all forgotten."""
+        entry = self.channel.client.hget(self.channel.unacked_key, tag)
+        if entry is None:  # settled meanwhile: only the owner record is left
+            self.channel.client.hdel(self.settings.owners_key, tag)
+            return
+        raw, queue = split_unacked_entry(entry)
+        tier = self.settings.tier_for_queue(queue) or self.settings.default_tier
+        self._dead_letter_raw(raw, f"{reason}; found when its worker was gone", tier, queue, tag)
 
     def _share_estimates(self) -> None:
         """Run-time estimates of the queues inside the tiers, shared by the fleet (shortest-job-first order).
@@ -447,6 +536,18 @@ class RedisFetchSource(FetchSource):
         for name in names:
             pipe.llen(name)
         return [int(n) for n in pipe.execute()]
+
+
+#: The end of an unacked entry as the fetch script (``[raw,"",queue]``) or kombu (``[raw, "", queue]``) writes it.
+_ENTRY_TAIL = re.compile(rb',\s*"(?:[^"\\]|\\.)*",\s*"((?:[^"\\]|\\.)*)"\]\s*$')
+
+
+def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
+    """``(raw message, queue)`` of a kombu unacked entry, without decoding the message (it may not decode)."""
+    match = _ENTRY_TAIL.search(entry)
+    if not entry.startswith(b"[") or match is None:
+        return entry, ""
+    return entry[1 : match.start()], match.group(1).decode(errors="replace")
 
 
 def _tag_of(raw: Any) -> str:

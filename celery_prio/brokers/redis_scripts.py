@@ -147,9 +147,9 @@ return moved
 )
 
 #: Dead-letter a message a worker fetched but cannot run, and forget it as
-#: unacked, atomically. KEYS: dead list, unacked hash, unacked index, stats
-#: hash. ARGV: raw element, reason, tier label, now, source queue, delivery
-#: tag ('' if none).
+#: unacked and owned, atomically. KEYS: dead list, unacked hash, unacked
+#: index, stats hash, owners hash. ARGV: raw element, reason, tier label, now,
+#: source queue, delivery tag ('' if none).
 DEAD_LETTER = (
     DEAD_ENTRY
     + """
@@ -157,6 +157,7 @@ redis.call('LPUSH', KEYS[1], dead_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV
 if ARGV[6] ~= '' then
   redis.call('HDEL', KEYS[2], ARGV[6])
   redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('HDEL', KEYS[5], ARGV[6])
 end
 redis.call('HINCRBY', KEYS[4], 'dead_lettered:' .. ARGV[3], 1)
 return 1
@@ -174,15 +175,20 @@ FETCH_DEAD_BUDGET = 100
 #: The fetching worker is recorded as the message's owner (``<prefix>.owners``:
 #: tag -> worker|tier|fetched at, Redis time), so that when the worker is gone
 #: any live worker can return the message at once (``SWEEP_DEAD_OWNERS``).
+#: Every reply also carries the sub-queue registry's version, so a worker learns
+#: of a new sub-queue from the fetches it makes anyway (no polling of its own).
 #: KEYS: the lists in preference order, then the unacked hash, its index,
-#: the dead list, the stats hash and the owners hash.
+#: the dead list, the stats hash, the owners hash and the registry's version key.
 #: ARGV: now, then one tier label per list, then the worker's name.
-#: Returns {position of the list (1-based), message}, {0, n dead-lettered}
-#: when it stopped at its dead-letter budget, or nil when all are empty.
+#: Returns {position of the list (1-based), message, version, delivery tag}
+#: (the tag as cjson read it: Python may fail to decode what cjson accepts),
+#: {0, n dead-lettered, version} when it stopped at its dead-letter budget,
+#: or {-1, '', version} when all are empty.
 FETCH = (
     DEAD_ENTRY
     + """
-local n = #KEYS - 5
+local n = #KEYS - 6
+local version = redis.call('GET', KEYS[n + 6]) or ''
 local dead = 0
 for i = 1, n do
   while true do
@@ -208,7 +214,7 @@ for i = 1, n do
       dead = dead + 1
       if dead >= """
     + str(FETCH_DEAD_BUDGET)
-    + """ then return {0, dead} end
+    + """ then return {0, dead, version} end
     else
       local tag = msg['properties']['delivery_tag']
       -- A restore (the worker died) returns it to the list it came from, not
@@ -219,12 +225,12 @@ for i = 1, n do
       local fetched = t[1] .. '.' .. string.format('%06d', t[2])
       redis.call('HSET', KEYS[n + 5], tag, ARGV[n + 2] .. '|' .. ARGV[1 + i] .. '|' .. fetched)
       redis.call('RPOP', KEYS[i])
-      return {i, raw}
+      return {i, raw, version, tag}
     end
   end
 end
-if dead > 0 then return {0, dead} end
-return nil
+if dead > 0 then return {0, dead, version} end
+return {-1, '', version}
 """
 )
 
@@ -340,11 +346,13 @@ end
 return 0
 """
 
-#: A worker says it is alive: ``HSET <prefix>.heartbeats <worker> <Redis time>``.
-#: KEYS: heartbeats hash. ARGV: worker name.
+#: A worker says it is alive, and which tiers it serves (so that a queue nobody serves is seen):
+#: ``HSET <prefix>.heartbeats <worker> <Redis time>`` and ``HSET <prefix>.serving <worker> <tiers>``.
+#: KEYS: heartbeats hash, serving hash. ARGV: worker name, served tier labels (comma-separated).
 HEARTBEAT = """
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], ARGV[1], t[1] .. '.' .. string.format('%06d', t[2]))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
 

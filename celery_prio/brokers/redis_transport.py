@@ -7,6 +7,7 @@ other queue, and every consumer-side operation, is kombu's own code.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from base64 import b64encode
@@ -14,6 +15,8 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import QueueFull
 from ..headers import PROMOTED_SUFFIX
@@ -21,6 +24,8 @@ from ..tiers import parse_tier
 from .continuations import pending_marker
 from .publishing import BulkSession, fast_json
 from .redis_scripts import BULK_PUSH, GUARDED_PUSH
+
+logger = logging.getLogger(__name__)
 
 
 class QoS(kombu_redis.QoS):
@@ -33,9 +38,11 @@ class QoS(kombu_redis.QoS):
     without one (fetched by plain kombu consumers) are restored as kombu does.
     """
 
-    @property
-    def _owners_key(self) -> str | None:
-        return self.channel.connection.client.transport_options.get("prio_owners_key")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Read once, while the channel has its connection: an ack or reject after the connection died
+        # (a Redis restart) still finds it, where reading it then raised AttributeError and killed the worker.
+        self._owners_key = self.channel.connection.client.transport_options.get("prio_owners_key")
 
     def _remove_from_indices(self, delivery_tag, pipe=None):
         pipe = super()._remove_from_indices(delivery_tag, pipe)
@@ -57,7 +64,13 @@ class QoS(kombu_redis.QoS):
                     )
                     for tag in visible or []:
                         if not client.hexists(owners, tag):
-                            self.restore_by_tag(tag, client)
+                            try:
+                                self.restore_by_tag(tag, client)
+                            except (RedisConnectionError, RedisTimeoutError):
+                                raise
+                            except Exception as exc:
+                                # One entry kombu cannot read back must not stop the others' restore.
+                                logger.error("celery-prio: unacked message %s cannot be restored: %r", tag, exc)
             except kombu_redis.MutexHeld:
                 pass
         return None

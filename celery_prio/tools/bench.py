@@ -41,6 +41,8 @@ RECORD_URL = "redis://127.0.0.1:6379/14"
 NO_CAPS = {"realtime": None, "batch": None, "offline": None}
 AGING_OFF = {"batch": None, "offline": None}
 AGING_ON = {"batch": None, "offline": 3}
+#: The overload mix the first version was measured with: realtime 40/s next to a saturating batch stream.
+DEFAULTS_RT_RATE = 40.0
 AGING_OFFLINE_RATE = 1.5  # above what offline's own share drains (about one 1 s task a second here)
 
 
@@ -79,8 +81,11 @@ def _broker_kind(url: str) -> str:
 class Run:
     """One benchmark setup: its app (client side), its worker and its queues."""
 
-    def __init__(self, mode: str, broker: str, logdir: Path, concurrency: int, **app_options: Any) -> None:
+    def __init__(
+        self, mode: str, broker: str, logdir: Path, concurrency: int, tier_on: str = "call", **app_options: Any
+    ) -> None:
         self.mode, self.broker = mode, broker
+        self.tier_on = tier_on  # celery-prio: "call" (apply_async(tier=...)) or "decorator" (@app.task(tier=...))
         self.prefix = f"bench{uuid.uuid4().hex[:8]}"
         self.app_options = app_options  # the worker builds the same app from the environment
         self.app = make_app(mode, broker, self.prefix, RECORD_URL, **app_options)
@@ -124,10 +129,13 @@ class Run:
     def publish(self, tier: str, seconds: float, elements: int = 0, label: str | None = None) -> float:
         """Publish one task (sliced into ``elements`` when given); returns its send time (recorded back)."""
         sent = time.time()
+        kind = "sliced" if elements else "work"
         task, args = self.task, (label or tier, sent, seconds)
         if elements:
             task, args = self.app.tasks["bench.sliced"], (label or tier, sent, elements, seconds / elements)
-        if self.mode == "prio":
+        if self.mode == "prio" and self.tier_on == "decorator":
+            self.app.tasks[f"bench.{kind}_{tier}"].apply_async(args)
+        elif self.mode == "prio":
             task.apply_async(args, tier=tier)
         elif self.mode.startswith("native"):
             task.apply_async(args, priority=NATIVE_PRIORITY[self.kind][tier])
@@ -188,11 +196,15 @@ def await_realtime(run: Run, sent_rt: int, grace: float) -> tuple[float, list]:
     return time.time(), run.read()
 
 
-def run_mixed(mode: str, broker: str, w: Workload, logdir: Path, **app_options: Any) -> dict[str, Any]:
-    run = Run(mode, broker, logdir, w.concurrency, **app_options)
+def run_mixed(
+    mode: str, broker: str, w: Workload, logdir: Path, cold: bool = False, tier_on: str = "call", **app_options: Any
+) -> dict[str, Any]:
+    """``cold``: no warm-up task before the clock (what a new user gets); ``tier_on``: see ``Run``."""
+    run = Run(mode, broker, logdir, w.concurrency, tier_on=tier_on, **app_options)
     try:
         run.start_worker()
-        run.warm_up()
+        if not cold:
+            run.warm_up()
         offline_sent = []
         for _ in range(w.offline_backlog):
             offline_sent.append(run.publish("offline", w.offline_seconds))
@@ -529,12 +541,21 @@ class SliceWorkload:
         return math.ceil(1.5 * self.concurrency * self.duration / self.batch_seconds)
 
 
-def run_sliced(mode: str, broker: str, w: SliceWorkload, logdir: Path, **app_options: Any) -> dict[str, Any]:
+def run_sliced(
+    mode: str,
+    broker: str,
+    w: SliceWorkload,
+    logdir: Path,
+    cold: bool = False,
+    tier_on: str = "call",
+    **app_options: Any,
+) -> dict[str, Any]:
     """Realtime latency and batch/offline items per second on a worker busy with long sliced tasks."""
-    run = Run(mode, broker, logdir, w.concurrency, **app_options)
+    run = Run(mode, broker, logdir, w.concurrency, tier_on=tier_on, **app_options)
     try:
         run.start_worker()
-        run.warm_up()
+        if not cold:
+            run.warm_up()
         for _ in range(w.offline_backlog):
             run.publish("offline", w.offline_seconds, elements=round(w.offline_seconds / w.element_seconds))
         for _ in range(w.batch_backlog):
@@ -615,6 +636,70 @@ def bench_slices(broker: str, w: SliceWorkload, logdir: Path, out=print) -> dict
         f"{ratios['c4_low_items_sliced_over_reserve']:.2f} (target > 1)"
     )
     return {"concurrency_1": one, "concurrency_4": four, "ratios": ratios}
+
+
+def management_api_answers(port: int = 15672) -> bool:
+    """Whether RabbitMQ's management API answers on this machine (the stock image runs without it)."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def default_setups(kind: str) -> dict[str, dict[str, Any]]:
+    """celery-prio as a new user runs it: ``install(app)`` defaults (RabbitMQ: with and without its management
+    API), tiers per call and on the decorator. Each maps to ``run_mixed``/``run_sliced`` keyword arguments."""
+    setups: dict[str, dict[str, Any]] = {}
+    forms = {"": {}}
+    if kind == "amqp":
+        forms = {"no mgmt, ": {"management_url": f"http://127.0.0.1:{free_port()}"}}
+        if management_api_answers():
+            forms = {"mgmt, ": {}, **forms}
+    for form, options in forms.items():
+        for tier_on in ("call", "decorator"):
+            setups[f"prio {form}tier per {tier_on}"] = {"tier_on": tier_on, **options}
+    return setups
+
+
+def bench_defaults(broker: str, mixed: Workload, sliced: SliceWorkload, logdir: Path, out=print) -> dict[str, Any]:
+    """What a new user gets: defaults only, cold (no warm-up), against broker-native priority, side by side."""
+    kind = _broker_kind(broker)
+    setups = default_setups(kind)
+    if kind == "amqp" and not management_api_answers():
+        out("  (RabbitMQ's management API does not answer here: only the rows without it are measured)")
+    results: dict[str, Any] = {"mixed": {}, "slices": {}}
+    out(
+        f"\n== {kind}: as a new user runs it (install(app) defaults, cold, no prio_slice): overload mix "
+        f"(concurrency {mixed.concurrency}, realtime {mixed.rt_rate:.0f}/s x {mixed.rt_seconds * 1000:.0f} ms, "
+        f"batch backlog, offline backlog) and GPU slices (concurrency {sliced.concurrency}, "
+        f"{sliced.element_seconds * 1000:.0f} ms elements, realtime {sliced.rt_rate:.0f}/s)"
+    )
+    results["mixed"]["native"] = run_mixed("native", broker, mixed, logdir, cold=True)
+    results["slices"]["native"] = run_sliced("native", broker, sliced, logdir, cold=True)
+    for name, options in setups.items():
+        results["mixed"][name] = run_mixed("prio", broker, mixed, logdir, cold=True, **options)
+        results["slices"][name] = run_sliced("prio", broker, sliced, logdir, cold=True, **options)
+    out(
+        f"{'setup':<34}{'mix rt p99 ms':>14}{'vs native':>10}{'batch/s':>9}{'c1 rt p99 ms':>13}{'vs native':>10}"
+        f"{'batch it/s':>11}{'off it/s':>9}"
+    )
+    ratios = {}
+    for name in results["mixed"]:
+        m, c1 = results["mixed"][name], results["slices"][name]
+        mix_ratio = m["realtime"]["p99_ms"] / results["mixed"]["native"]["realtime"]["p99_ms"]
+        c1_ratio = c1["realtime"]["p99_ms"] / results["slices"]["native"]["realtime"]["p99_ms"]
+        ratios[name] = {"mixed_rt_p99_over_native": mix_ratio, "c1_rt_p99_over_native": c1_ratio}
+        out(
+            f"{name:<34}{m['realtime']['p99_ms']:>14.0f}{mix_ratio:>10.2f}{m['batch']['per_s']:>9.1f}"
+            f"{c1['realtime']['p99_ms']:>13.0f}{c1_ratio:>10.2f}{c1['batch_items_per_s']:>11.1f}"
+            f"{c1['offline_items_per_s']:>9.1f}"
+        )
+    out("targets: overload-mix realtime P99 well under native priority's; -c 1 sliced realtime P99 <= 200 ms")
+    results["ratios"] = ratios
+    return results
 
 
 def run_tenants(broker: str, duration: float, logdir: Path, subqueues: bool, flood: int = 20_000) -> dict[str, Any]:
@@ -946,9 +1031,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery"),
-        help="run one part: the mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, "
-        "sub-queues, SJF, priority inheritance or recovery after a worker dies",
+        choices=("defaults", "mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery"),
+        help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
+        "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
+        "priority inheritance or recovery after a worker dies",
     )
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -960,8 +1046,13 @@ def main(argv: list[str] | None = None) -> int:
         for broker in brokers:
             kind = _broker_kind(broker)
             results[kind] = {}
+            if args.only in (None, "defaults"):
+                overload = replace(w, rt_rate=DEFAULTS_RT_RATE)
+                results[kind]["defaults"] = bench_defaults(
+                    broker, overload, SliceWorkload(duration=args.duration), Path(tmp)
+                )
             if args.only in (None, "mixed"):
-                results[kind] = bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp))
+                results[kind].update(bench_broker(broker, w, args.drain_tasks, args.publish_tasks, Path(tmp)))
                 if kind == "redis":
                     results["redis"]["aging_pass_s"] = bench_aging_pass()
             if args.only == "drain":

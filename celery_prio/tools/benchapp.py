@@ -85,7 +85,6 @@ def make_app(
         recorder.rpush(f"{prefix}:starts", f"{label} {time.time()} {os.getpid()}")
         time.sleep(seconds)
 
-    @app.task(shared=False, name="bench.sliced", bind=True)
     def sliced(self, tier: str, sent: float, elements: int, element_seconds: float, start: int = 0) -> None:
         """GPU work cut into elements; under celery-prio it may yield between them (plain Celery: runs through)."""
         for _ in celery_prio.slices(self, range(start, elements), resume="start"):
@@ -93,6 +92,12 @@ def make_app(
             time.sleep(element_seconds)
             recorder.rpush(key, f"{tier}-item {sent} {began} {time.time()}")
 
+    app.task(shared=False, name="bench.sliced", bind=True)(sliced)
+    # The same work with its tier on the decorator (``@app.task(tier=...)``), as an app would declare it;
+    # plain Celery ignores the option.
+    for tier in ("realtime", "batch", "offline"):
+        app.task(shared=False, name=f"bench.work_{tier}", tier=tier)(work.run)
+        app.task(shared=False, name=f"bench.sliced_{tier}", bind=True, tier=tier)(sliced)
     return app
 
 

@@ -1,0 +1,259 @@
+"""RabbitMQ: sub-queues found through the broker itself, and which tiers the live workers serve.
+
+RabbitMQ cannot list queues over AMQP (only its optional management plugin
+can), so a worker could not find a sub-queue it was not told of: a per-call
+realtime task's shortest-first queue or a new tenant's queue sat unserved
+when the plugin was off, as it is in the stock image. Here:
+
+* **The registry** ``<prefix>.subqueues`` is a stream. A publisher declares a
+  sub-queue, then appends its name (with a confirm) before the first message
+  goes to it, once per name per process (again every ``REANNOUNCE_AFTER``, so
+  the stream's age limit never forgets a queue in use). Every worker follows
+  the stream from its first record on a channel of its own: RabbitMQ pushes
+  each new name as it is appended, so an idle worker serves a new sub-queue
+  within milliseconds of its first publish. Records are data: a name is
+  taken only if it is one of this app's sub-queue names.
+* **Presence** ``<prefix>.serving.<tier>``: a queue that never holds a
+  message, consumed by every live worker that serves the tier, so its
+  consumer count (a passive declare, no management API) is how many workers
+  serve the tier. A queue with messages whose tier has none is unserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import amqp
+from amqp.exceptions import NotFound
+
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
+
+logger = logging.getLogger(__name__)
+
+#: The registry keeps a name this long after its last announcement, and at most this many bytes.
+REGISTRY_MAX_AGE = "7D"
+REGISTRY_MAX_BYTES = 64 * 1024 * 1024
+#: A publisher appends a name it uses again after this many seconds (well inside the age limit).
+REANNOUNCE_AFTER = 24 * 3600.0
+#: Registry records in flight to one follower (a stream consumer needs a prefetch).
+FOLLOW_PREFETCH = 1000
+#: Seconds a one-off read of the registry (``read_registry``) may take.
+READ_TIMEOUT = 10.0
+
+
+def registry_name(settings: PrioSettings) -> str:
+    return settings.subqueue_registry
+
+
+def declare_registry(channel: Any, settings: PrioSettings) -> None:
+    channel.queue_declare(
+        queue=registry_name(settings),
+        durable=True,
+        auto_delete=False,
+        arguments={"x-queue-type": "stream", "x-max-age": REGISTRY_MAX_AGE, "x-max-length-bytes": REGISTRY_MAX_BYTES},
+    )
+
+
+def announce(channel: Any, settings: PrioSettings, name: str) -> None:
+    """Append sub-queue ``name`` to the registry, confirmed by the broker before returning."""
+    declare_registry(channel, settings)
+    channel.basic_publish_confirm(
+        amqp.Message(b"", application_headers={"subqueue": name, "at": time.time()}, delivery_mode=2),
+        exchange="",
+        routing_key=registry_name(settings),
+    )
+
+
+def accepted_name(settings: PrioSettings, headers: Any) -> str | None:
+    """The sub-queue a registry record names, if it is one of this app's (anyone can append to a stream)."""
+    name = headers.get("subqueue") if isinstance(headers, dict) else None
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    if not isinstance(name, str):
+        return None
+    tier = settings.tier_for_queue(name)
+    if tier is None or settings.subqueue_of(name, tier) is None:
+        return None
+    return name
+
+
+class RegistryFollower:
+    """Every sub-queue name in the registry, as RabbitMQ pushes them, on a channel of its own.
+
+    On a worker's connection the event loop delivers the records and
+    ``on_new`` is called from inside it (so it must make no broker call);
+    on a connection of its own, ``catch_up`` reads what has arrived.
+    """
+
+    def __init__(self, settings: PrioSettings, on_new: Callable[[list[str]], None] = lambda names: None) -> None:
+        self.settings = settings
+        self.on_new = on_new
+        self.names: dict[str, None] = {}  # insertion-ordered set
+        self.version = 0  # bumped with every new name
+        self.problem: str | None = "not started"
+        self.channel: Any = None
+
+    def start(self, connection: Any) -> None:
+        """Follow the registry on a new channel of ``connection`` (a py-amqp connection)."""
+        try:
+            channel = connection.channel()
+            declare_registry(channel, self.settings)
+            channel.basic_qos(0, FOLLOW_PREFETCH, False)
+            channel.basic_consume(
+                registry_name(self.settings),
+                callback=self._record,
+                on_cancel=self._cancelled,
+                arguments={"x-stream-offset": "first"},
+            )
+        except Exception as exc:
+            self.problem = f"cannot follow the sub-queue registry {registry_name(self.settings)}: {exc!r}"
+            raise
+        self.channel, self.problem = channel, None
+
+    def _record(self, message: Any) -> None:
+        self.channel.basic_ack(message.delivery_tag)
+        name = accepted_name(self.settings, message.headers)
+        if name is not None and name not in self.names:
+            self.names[name] = None
+            self.version += 1
+            self.on_new([name])
+
+    def _cancelled(self, consumer_tag: Any) -> None:
+        # The stream was deleted (or the broker cancelled us): names found so far stay served.
+        self.problem = f"the broker cancelled this worker's follower of {registry_name(self.settings)}"
+        self.channel = None
+
+    def catch_up(self, connection: Any, quiet: float = 0.02) -> None:
+        """Read the records delivered so far on ``connection`` (a kombu or py-amqp connection of its own)."""
+        while True:
+            try:
+                connection.drain_events(timeout=quiet)
+            except TimeoutError:
+                return
+
+    def stop(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None and channel.is_open:
+            try:
+                channel.close()
+            except Exception:  # closing a channel on a connection that died: nothing to give back
+                pass
+
+
+def read_to_marker(
+    connection: Any, queue: str, declare: Callable[[Any], None], on_record: Callable[[dict], None], timeout: float
+) -> None:
+    """Call ``on_record(headers)`` for every record of the stream ``queue``, up to a marker appended here,
+    so nothing written before the call is missed. ``connection``: a py-amqp connection of its own (this
+    drains its events); ``declare(channel)`` declares the stream."""
+    channel = connection.channel()
+    try:
+        declare(channel)
+        marker = uuid.uuid4().hex
+        channel.basic_publish_confirm(
+            amqp.Message(b"", application_headers={"marker": marker}), exchange="", routing_key=queue
+        )
+        done: list[bool] = []
+
+        def on_message(message: Any) -> None:
+            channel.basic_ack(message.delivery_tag)
+            headers = message.headers or {}
+            if headers.get("marker") == marker:
+                done.append(True)
+            else:
+                on_record(headers)
+
+        channel.basic_qos(0, FOLLOW_PREFETCH, False)
+        channel.basic_consume(queue, callback=on_message, arguments={"x-stream-offset": "first"})
+        deadline = time.monotonic() + timeout
+        while not done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"celery-prio: could not read {queue} to its end")
+            connection.drain_events(timeout=left)
+    finally:
+        if channel.is_open:
+            channel.close()
+
+
+def read_registry(connection: Any, settings: PrioSettings) -> list[str]:
+    """Every sub-queue name in the registry now (CLI, tests, cleanup)."""
+    names: dict[str, None] = {}
+
+    def on_record(headers: dict) -> None:
+        name = accepted_name(settings, headers)
+        if name is not None:
+            names[name] = None
+
+    read_to_marker(
+        connection,
+        registry_name(settings),
+        lambda channel: declare_registry(channel, settings),
+        on_record,
+        READ_TIMEOUT,
+    )
+    return list(names)
+
+
+class Presence:
+    """This worker's consumers on ``<prefix>.serving.<tier>`` for the tiers it serves (kept in step)."""
+
+    def __init__(self, settings: PrioSettings, arguments: dict[str, Any] | None) -> None:
+        self.settings = settings
+        self.arguments = arguments  # the queues' arguments (quorum on a cluster, like the fleet queue)
+        self.channel: Any = None
+        self._tags: dict[Tier, str] = {}
+
+    def keep(self, connection: Any, tiers: Iterable[Tier]) -> None:
+        """Consume the presence queues of exactly ``tiers`` (cheap when nothing changed)."""
+        wanted = set(tiers)
+        if self.channel is None or not self.channel.is_open:
+            self.channel, self._tags = connection.channel(), {}
+        for tier in [t for t in self._tags if t not in wanted]:
+            self.channel.basic_cancel(self._tags.pop(tier), nowait=True)
+        for tier in [t for t in TIERS if t in wanted and t not in self._tags]:
+            queue = self.settings.presence_queue(tier)
+            self.channel.queue_declare(queue=queue, durable=True, auto_delete=False, arguments=self.arguments)
+            self._tags[tier] = self.channel.basic_consume(queue=queue, no_ack=True, callback=lambda message: None)
+
+    @property
+    def tiers(self) -> set[Tier]:
+        return set(self._tags)
+
+
+def serving_counts(connection: Any, settings: PrioSettings) -> dict[Tier, int]:
+    """Live workers per tier: the consumers of each presence queue (one passive declare each)."""
+    out = dict.fromkeys(TIERS, 0)
+    probe = connection.channel()
+    try:
+        for tier in TIERS:
+            try:
+                out[tier] = int(probe.queue_declare(queue=settings.presence_queue(tier), passive=True).consumer_count)
+            except NotFound:  # no worker ever served it; the broker closed the probe channel
+                probe = connection.channel()
+    finally:
+        if probe.is_open:
+            probe.close()
+    return out
+
+
+def existing_depths(connection: Any, names: list[str]) -> list[int]:
+    """Messages ready in each of ``names`` (0 for one that does not exist), on a probe channel of its own."""
+    out = []
+    probe = connection.channel()
+    try:
+        for name in names:
+            try:
+                out.append(int(probe.queue_declare(queue=name, passive=True).message_count))
+            except NotFound:
+                out.append(0)
+                probe = connection.channel()
+    finally:
+        if probe.is_open:
+            probe.close()
+    return out
