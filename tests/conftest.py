@@ -209,20 +209,6 @@ def _sweep_rabbitmq_test_queues():
             channel.queue_delete(queue=name)
 
 
-def management_api_up() -> bool:
-    """Whether the machine's RabbitMQ answers its management API (the plugin is off in the stock image)."""
-    try:
-        with socket.create_connection(("127.0.0.1", 15672), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def need_management_api() -> None:
-    if not management_api_up():
-        pytest.skip("RabbitMQ's management plugin is off (rabbitmq-plugins enable rabbitmq_management turns it on)")
-
-
 @pytest.fixture(params=["redis", "amqp"])
 def env(request, tmp_path):
     yield from _one_broker_env(request.param, tmp_path)
