@@ -5,7 +5,7 @@ celery -A app prio exporter [--port 9809]   the same for Prometheus: celery_prio
 celery -A app prio boost ID [--tier T]      lift a queued task into a higher tier
 celery -A app prio simulate SPEC [--set k=v] replay a workload through the real scheduler, side by side
 celery -A app prio dead list [--limit N]    evicted (drop_oldest) and malformed/unrunnable messages
-celery -A app prio dead requeue [--limit N] put them back (stops at a full tier; only to tier queues)
+celery -A app prio dead requeue [--limit N] put them back (stops at a full queue; only to this app's queues)
 celery -A app prio dead purge               delete them
 """
 
@@ -221,7 +221,7 @@ def dead_requeue(ctx, limit: int | None):
     click.echo(f"requeued {moved}; {left} left in {settings.dead_letter_queue}")
     if skipped:
         click.echo(
-            f"skipped {skipped}: malformed, or not addressed to a tier queue of this app "
+            f"skipped {skipped}: malformed, or not addressed to a queue of this app "
             f"(left in {settings.dead_letter_queue}; see 'dead list')"
         )
 

@@ -233,3 +233,21 @@ def test_rabbitmq_dead_requeue_only_addresses_this_apps_tier_queues(amqp_env):
     assert set(listed) == {"to-elsewhere", "x-death-elsewhere", "x-death-number"}
     assert listed["x-death-number"]["queue"] is None
     env.adapter.delete_queues([elsewhere])
+
+
+def test_rabbitmq_dead_requeue_takes_sub_queues_back_too(amqp_env):
+    """Realtime traffic goes to shortest-first sub-queues by default: their dead letters go back there
+    (declared first if they are gone: a publish to a missing queue would be dropped)."""
+    env = amqp_env
+    settings = settings_for(env.app)
+    sjf = settings.sjf_queue("t.add")
+    dead = f"{env.prefix}.dead"
+    env.app.tasks["t.noop"].apply_async(tier="realtime")  # declares the tier queues and the dead-letter queue
+    body = json.dumps([[1, 2], {}, {}])
+    base = {"task": "t.add", "lang": "py"}
+    publish_amqp(env, dead, body, {**base, "id": "rt", "prio_dead_queue": sjf, "prio_dead_reason": "r"})
+    publish_amqp(env, dead, body, {**base, "id": "bad", "prio_dead_queue": f"{env.prefix}.realtime.bad/name"})
+    out = env.prio_cli("dead", "requeue")
+    assert "requeued 1; 1 left" in out and "skipped 1" in out, out
+    assert env.adapter.depth(sjf) == 1
+    env.adapter.delete_queues([sjf])

@@ -192,6 +192,29 @@ def test_dead_requeue_only_addresses_this_apps_tier_queues_and_loses_nothing(red
     client.delete(f"{env.prefix}.ahash", f"{env.prefix}.elsewhere")
 
 
+def test_dead_requeue_takes_sub_queues_back_too_and_nothing_that_only_looks_like_one(redis_parts):
+    """Realtime traffic goes to shortest-first sub-queues by default: their dead letters must go back there."""
+    env, s, adapter, _ = redis_parts
+    client = adapter.client
+
+    def entry(queue, msg):
+        return json.dumps({"headers": {"prio_dead_queue": queue, "prio_dead_reason": "r"}, "message": msg.decode()})
+
+    sjf, tenant = s.sjf_queue("t.add"), s.subqueue_name(B, "acme")
+    crafted = [
+        entry(sjf, message(1.0, "rt")),
+        entry(tenant, message(1.0, "tenant")),
+        entry(f"{env.prefix}.realtime.bad/name", message(1.0, "bad")),  # not a sub-queue name
+        entry(f"{env.prefix}.realtime.{'x' * 65}", message(1.0, "long")),
+        entry(f"{env.prefix}.realtime.dlx", message(1.0, "reserved")),
+        entry("other.realtime.sjf-t-add", message(1.0, "other-app")),
+    ]
+    client.lpush(s.dead_letter_queue, *crafted)
+    assert adapter.dead_requeue(s) == (2, 4, 4)
+    assert ids_in(client, sjf) == ["rt"] and ids_in(client, tenant) == ["tenant"]
+    client.delete(sjf, tenant)
+
+
 def test_stats_readers_survive_garbage_in_the_stats_hashes(redis_parts):
     env, s, adapter, _ = redis_parts
     client = adapter.client

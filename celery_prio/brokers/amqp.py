@@ -219,6 +219,11 @@ def _declare_as_is(channel: Any, name: str, args: dict[str, Any] | None) -> Any:
     return channel
 
 
+def _is_subqueue(settings: PrioSettings, queue: Any) -> bool:
+    tier = settings.tier_for_queue(queue) if isinstance(queue, str) else None
+    return tier is not None and settings.subqueue_of(queue, tier) is not None
+
+
 class AmqpAdapter(Broker):
     kind = "amqp"
 
@@ -271,10 +276,11 @@ class AmqpAdapter(Broker):
             channel.close()  # unacked messages go back to the queue, in order
 
     def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int, int]:
-        """Publish dead messages back to their tier (with confirms), then ack them: ``(moved, left, skipped)``.
+        """Publish dead messages back to their queue (with confirms), then ack them: ``(moved, left, skipped)``.
 
-        Only this app's tier queues (and their promoted sub-queues) are
-        destinations; an entry naming anything else, or none, is skipped and
+        Only this app's queues are destinations: tier queues, front lanes and
+        the tiers' sub-queues (shortest-first queues, tenants; declared first,
+        with their tier's arguments); an entry naming anything else, or none, is skipped and
         stays in the dead-letter queue (held until the end of the pass, so it
         is not fetched again, then given back in order).
         """
@@ -291,11 +297,18 @@ class AmqpAdapter(Broker):
                     break
                 headers = raw.properties.get("application_headers")
                 origin = dead_origin(headers)
-                if origin not in allowed:
+                if origin not in allowed and not _is_subqueue(settings, origin):
                     skipped += 1  # held unacked: back in the queue when the channel closes
                     continue
                 tier = settings.tier_for_queue(origin)
                 cap = settings.max_length[tier] if tier is not None and origin == settings.queue_name(tier) else None
+                if _is_subqueue(settings, origin):
+                    cap = settings.subqueue_cap(tier)
+                    # Through the default exchange a missing queue would drop it: make sure it is there
+                    # (on a channel of its own: a failed declare closes its channel, not this one).
+                    probe = declare_subqueue(conn.channel(), settings, tier, origin)
+                    if probe.is_open:
+                        probe.close()
                 # A drop-head tier never refuses: publishing into a full one
                 # would just evict another message into this queue. Stop at full.
                 if cap is not None and channel.queue_declare(queue=origin, passive=True).message_count >= cap:

@@ -101,12 +101,14 @@ class RedisAdapter(Broker):
         ]
 
     def dead_requeue(self, settings: PrioSettings, limit: int | None = None) -> tuple[int, int, int]:
-        """Back to their tiers: ``(moved, left, skipped)``. Only this app's tier queues are destinations."""
+        """Back where they came from: ``(moved, left, skipped)``. Only this app's queues are destinations:
+        tier queues, front lanes and the tiers' sub-queues (shortest-first queues and tenants)."""
         caps: list[Any] = []
         for tier in TIERS:
-            cap = settings.max_length[tier]
+            cap, sub_cap = settings.max_length[tier], settings.subqueue_cap(tier)
             caps += [settings.queue_name(tier), cap if cap is not None else -1]
             caps += [settings.queue_name(tier) + PROMOTED_SUFFIX, -1]
+            caps += [settings.queue_name(tier) + ".", sub_cap if sub_cap is not None else -1]
         moved, left, skipped = self.client.eval(
             DEAD_REQUEUE, 1, settings.dead_letter_queue, limit if limit is not None else 2**62, *caps
         )

@@ -53,16 +53,33 @@ return {1, n + 1}
 """
 )
 
-#: Move up to ARGV[1] dead entries (oldest first) back to their tier lists.
-#: Only queues named in ARGV are destinations (the app's tier and promoted
-#: queues): an entry is data, never a routing instruction. An entry that is
-#: malformed or names another destination is skipped (rotated to the newest
-#: end, so nothing is lost and the pass moves on); a full tier stops the pass.
+#: Move up to ARGV[1] dead entries (oldest first) back to the queues they came from.
+#: Only this app's queues are destinations (its tier and promoted queues, and
+#: the sub-queues of its tiers: shortest-first queues, tenants): an entry is
+#: data, never a routing instruction. An entry that is malformed or names
+#: another destination is skipped (rotated to the newest end, so nothing is
+#: lost and the pass moves on); a full destination stops the pass.
 #: KEYS: dead list. ARGV: limit, then pairs of (queue name, cap) for every
-#: allowed destination. Returns {moved, left, skipped}.
+#: allowed destination; a name ending in '.' stands for every sub-queue of a
+#: tier (``<prefix>.<tier>.<1-64 letters, digits, _ or ->``, not promoted/dlx).
+#: Returns {moved, left, skipped}.
 DEAD_REQUEUE = """
-local caps = {}
-for i = 2, #ARGV, 2 do caps[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local caps, heads = {}, {}
+for i = 2, #ARGV, 2 do
+  if string.sub(ARGV[i], -1) == '.' then heads[ARGV[i]] = tonumber(ARGV[i + 1])
+  else caps[ARGV[i]] = tonumber(ARGV[i + 1]) end
+end
+local function cap_of(queue)
+  if caps[queue] ~= nil then return caps[queue] end
+  for head, cap in pairs(heads) do
+    local rest = string.sub(queue, #head + 1)
+    if string.sub(queue, 1, #head) == head and #rest >= 1 and #rest <= 64 and string.find(rest, '^[%w][%w_%-]*$')
+       and rest ~= 'promoted' and rest ~= 'dlx' then
+      return cap
+    end
+  end
+  return nil
+end
 local moved, skipped = 0, 0
 local limit = tonumber(ARGV[1])
 local budget = redis.call('LLEN', KEYS[1])  -- each entry is looked at once
@@ -75,12 +92,13 @@ while moved < limit and budget > 0 do
   if ok and type(entry) == 'table' and type(entry['headers']) == 'table' then
     queue, message = entry['headers']['prio_dead_queue'], entry['message']
   end
-  if type(queue) ~= 'string' or type(message) ~= 'string' or caps[queue] == nil
+  local cap = type(queue) == 'string' and cap_of(queue) or nil
+  if type(message) ~= 'string' or cap == nil
      or (redis.call('TYPE', queue)['ok'] ~= 'list' and redis.call('TYPE', queue)['ok'] ~= 'none') then
     redis.call('LMOVE', KEYS[1], KEYS[1], 'RIGHT', 'LEFT')
     skipped = skipped + 1
   else
-    if caps[queue] >= 0 and redis.call('LLEN', queue) >= caps[queue] then break end
+    if cap >= 0 and redis.call('LLEN', queue) >= cap then break end
     redis.call('LPUSH', queue, message)
     redis.call('RPOP', KEYS[1])
     moved = moved + 1
