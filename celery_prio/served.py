@@ -54,16 +54,12 @@ class ServedQueues:
 
     def set_discovered(self, names: Iterable[str]) -> None:
         """Sub-queues published to since (found in the broker): served where the worker serves their tier."""
-        self.discovered = [n for n in dict.fromkeys(names) if self._is_subqueue(n)]
+        self.discovered = [n for n in dict.fromkeys(names) if self.settings.is_subqueue(n)]
         self._regroup()
 
     def set_known(self, names: Iterable[str]) -> None:
-        self.known = [n for n in dict.fromkeys(names) if self._is_subqueue(n)]
+        self.known = [n for n in dict.fromkeys(names) if self.settings.is_subqueue(n)]
         self._regroup()
-
-    def _is_subqueue(self, name: str) -> bool:
-        tier = self.settings.tier_for_queue(name)
-        return tier is not None and self.settings.subqueue_of(name, tier) is not None
 
     def _regroup(self) -> None:
         self.version += 1

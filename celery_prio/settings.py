@@ -280,6 +280,11 @@ class PrioSettings:
     def subqueue_name(self, tier: Tier, subqueue: str) -> str:
         return f"{self.queue_name(tier)}.{subqueue}"
 
+    def is_subqueue(self, queue: Any) -> bool:
+        """Whether ``queue`` names a sub-queue of one of this app's tiers (``<prefix>.<tier>.<name>``)."""
+        tier = self.tier_for_queue(queue) if isinstance(queue, str) else None
+        return tier is not None and self.subqueue_of(queue, tier) is not None
+
     def subqueue_of(self, queue: str, tier: Tier) -> str | None:
         """The sub-queue ``queue`` is in ``tier`` (``<prefix>.<tier>.<name>``), or None."""
         head = self.queue_name(tier) + "."

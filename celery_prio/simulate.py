@@ -341,13 +341,8 @@ def unmodelled(workload: Workload, settings: PrioSettings) -> str | None:
             f"the realtime streams name {len(names)} tasks ({', '.join(names)}) and prio_sjf is on: the simulator "
             "does not model shortest-job-first order between them; give them one name, or compare with --set sjf=false"
         )
-    subqueues = sorted(
-        q
-        for q in workload.queues
-        if (tier := settings.tier_for_queue(q)) is not None
-        and (sub := settings.subqueue_of(q, tier)) is not None
-        and not sub.startswith("sjf-")
-    )
+    sjf_head = settings.subqueue_name(Tier.REALTIME, "sjf-")
+    subqueues = sorted(q for q in workload.queues if settings.is_subqueue(q) and not q.startswith(sjf_head))
     if subqueues:
         return f"the trace uses sub-queues ({', '.join(subqueues[:5])}), which the simulator does not model"
     return None

@@ -219,11 +219,6 @@ def _declare_as_is(channel: Any, name: str, args: dict[str, Any] | None) -> Any:
     return channel
 
 
-def _is_subqueue(settings: PrioSettings, queue: Any) -> bool:
-    tier = settings.tier_for_queue(queue) if isinstance(queue, str) else None
-    return tier is not None and settings.subqueue_of(queue, tier) is not None
-
-
 class AmqpAdapter(Broker):
     kind = "amqp"
 
@@ -297,12 +292,12 @@ class AmqpAdapter(Broker):
                     break
                 headers = raw.properties.get("application_headers")
                 origin = dead_origin(headers)
-                if origin not in allowed and not _is_subqueue(settings, origin):
+                if origin not in allowed and not settings.is_subqueue(origin):
                     skipped += 1  # held unacked: back in the queue when the channel closes
                     continue
                 tier = settings.tier_for_queue(origin)
                 cap = settings.max_length[tier] if tier is not None and origin == settings.queue_name(tier) else None
-                if _is_subqueue(settings, origin):
+                if settings.is_subqueue(origin):
                     cap = settings.subqueue_cap(tier)
                     # Through the default exchange a missing queue would drop it: make sure it is there
                     # (on a channel of its own: a failed declare closes its channel, not this one).

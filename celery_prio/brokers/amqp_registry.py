@@ -74,12 +74,7 @@ def accepted_name(settings: PrioSettings, headers: Any) -> str | None:
     name = headers.get("subqueue") if isinstance(headers, dict) else None
     if isinstance(name, bytes):
         name = name.decode(errors="replace")
-    if not isinstance(name, str):
-        return None
-    tier = settings.tier_for_queue(name)
-    if tier is None or settings.subqueue_of(name, tier) is None:
-        return None
-    return name
+    return name if settings.is_subqueue(name) else None
 
 
 class RegistryFollower:
