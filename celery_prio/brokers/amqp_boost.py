@@ -39,12 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import amqp
-from amqp.exceptions import NotFound
 
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ..settings import PrioSettings
 from ..tiers import Tier
-from .amqp_registry import read_to_marker
+from .amqp_registry import passive_declares, read_to_marker
 from .base import Boost
 from .continuations import _aging_expiration
 from .redis_boost import boost_lane
@@ -237,14 +236,8 @@ def write_journal(channel: Any, settings: PrioSettings, task_id: str, generation
 
 def fleet_size(channel: Any, settings: PrioSettings) -> int:
     """How many of this app's workers are up now: the consumers of ``<prefix>.fleet`` (exact, no cache)."""
-    probe = channel.connection.channel()  # a passive declare of a missing queue closes its channel
-    try:
-        return int(probe.queue_declare(queue=fleet_name(settings), passive=True).consumer_count)
-    except NotFound:  # no worker ever joined
-        return 0
-    finally:
-        if probe.is_open:
-            probe.close()
+    (ok,) = passive_declares(channel.connection, [fleet_name(settings)])
+    return int(ok.consumer_count) if ok else 0  # None: no worker ever joined
 
 
 def join_fleet(channel: Any, settings: PrioSettings) -> None:

@@ -7,8 +7,9 @@ when the plugin was off, as it is in the stock image. Here:
 
 * **The registry** ``<prefix>.subqueues`` is a stream. A publisher declares a
   sub-queue, then appends its name (with a confirm) before the first message
-  goes to it, once per name per process (again every ``REANNOUNCE_AFTER``, so
-  the stream's age limit never forgets a queue in use). Every worker follows
+  goes to it, once per name per process (again every
+  ``Publishing.REINTRODUCE_AFTER``, so the stream's age limit never forgets a
+  queue in use). Every worker follows
   the stream from its first record on a channel of its own: RabbitMQ pushes
   each new name as it is appended, so an idle worker serves a new sub-queue
   within milliseconds of its first publish. Records are data: a name is
@@ -21,7 +22,6 @@ when the plugin was off, as it is in the stock image. Here:
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -33,13 +33,9 @@ from amqp.exceptions import NotFound
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 
-logger = logging.getLogger(__name__)
-
 #: The registry keeps a name this long after its last announcement, and at most this many bytes.
 REGISTRY_MAX_AGE = "7D"
 REGISTRY_MAX_BYTES = 64 * 1024 * 1024
-#: A publisher appends a name it uses again after this many seconds (well inside the age limit).
-REANNOUNCE_AFTER = 24 * 3600.0
 #: Registry records in flight to one follower (a stream consumer needs a prefetch).
 FOLLOW_PREFETCH = 1000
 #: Seconds a one-off read of the registry (``read_registry``) may take.
@@ -131,14 +127,6 @@ class RegistryFollower:
             except TimeoutError:
                 return
 
-    def stop(self) -> None:
-        channel, self.channel = self.channel, None
-        if channel is not None and channel.is_open:
-            try:
-                channel.close()
-            except Exception:  # closing a channel on a connection that died: nothing to give back
-                pass
-
 
 def read_to_marker(
     connection: Any, queue: str, declare: Callable[[Any], None], on_record: Callable[[dict], None], timeout: float
@@ -221,34 +209,30 @@ class Presence:
         return set(self._tags)
 
 
-def serving_counts(connection: Any, settings: PrioSettings) -> dict[Tier, int]:
-    """Live workers per tier: the consumers of each presence queue (one passive declare each)."""
-    out = dict.fromkeys(TIERS, 0)
-    probe = connection.channel()
-    try:
-        for tier in TIERS:
-            try:
-                out[tier] = int(probe.queue_declare(queue=settings.presence_queue(tier), passive=True).consumer_count)
-            except NotFound:  # no worker ever served it; the broker closed the probe channel
-                probe = connection.channel()
-    finally:
-        if probe.is_open:
-            probe.close()
-    return out
-
-
-def existing_depths(connection: Any, names: list[str]) -> list[int]:
-    """Messages ready in each of ``names`` (0 for one that does not exist), on a probe channel of its own."""
+def passive_declares(connection: Any, names: list[str]) -> list[Any]:
+    """RabbitMQ's declare-ok of each of ``names`` (its message and consumer counts), None for one that does not
+    exist. On a probe channel of its own: a passive declare of a missing queue closes its channel."""
     out = []
     probe = connection.channel()
     try:
         for name in names:
             try:
-                out.append(int(probe.queue_declare(queue=name, passive=True).message_count))
+                out.append(probe.queue_declare(queue=name, passive=True))
             except NotFound:
-                out.append(0)
+                out.append(None)
                 probe = connection.channel()
     finally:
         if probe.is_open:
             probe.close()
     return out
+
+
+def serving_counts(connection: Any, settings: PrioSettings) -> dict[Tier, int]:
+    """Live workers per tier: the consumers of each presence queue (none where no worker ever served it)."""
+    found = passive_declares(connection, [settings.presence_queue(t) for t in TIERS])
+    return {tier: int(ok.consumer_count) if ok else 0 for tier, ok in zip(TIERS, found, strict=True)}
+
+
+def existing_depths(connection: Any, names: list[str]) -> list[int]:
+    """Messages ready in each of ``names`` (0 for one that does not exist)."""
+    return [int(ok.message_count) if ok else 0 for ok in passive_declares(connection, names)]

@@ -395,12 +395,7 @@ class RedisFetchSource(FetchSource):
         for tag, owner in client.hscan_iter(self.settings.owners_key, count=SWEEP_BATCH):
             tag = _text(tag)
             if _text(owner).startswith(mine) and tag not in held:
-                try:
-                    self.channel.qos.restore_by_tag(tag, client=client, leftmost=False)
-                except self.channel.connection_errors:
-                    raise
-                except Exception as exc:  # kombu cannot read it back: to the dead letters, never stuck here
-                    self._dead_letter_unacked(tag, decode_problem(exc))
+                self._restore_or_dead_letter(tag)
                 returned += 1
         if returned:
             logger.warning("celery-prio: returned %d message(s) fetched before the reconnect to their queues", returned)
@@ -456,17 +451,22 @@ class RedisFetchSource(FetchSource):
                 client=channel.client,
             )
             for tag in tags:
-                try:
-                    channel.qos.restore_by_tag(_text(tag), client=channel.client, leftmost=False)
-                except channel.connection_errors:
-                    raise
-                except Exception as exc:  # kombu cannot read it back (e.g. nested too deep): never stop here
-                    self._dead_letter_unacked(_text(tag), decode_problem(exc))
+                self._restore_or_dead_letter(_text(tag))
         except channel.connection_errors:
             return  # what this sweep took but did not restore is taken again after 10 s (by any worker)
         if tags:
             logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", len(tags))
             self.returned += len(tags)
+
+    def _restore_or_dead_letter(self, tag: str) -> None:
+        """Back to its queue through kombu's restore (marked redelivered); one kombu cannot read back (nested
+        too deep, say) goes to the dead letters instead, so no pass ever stops at it."""
+        try:
+            self.channel.qos.restore_by_tag(tag, client=self.channel.client, leftmost=False)
+        except self.channel.connection_errors:
+            raise
+        except Exception as exc:
+            self._dead_letter_unacked(tag, decode_problem(exc))
 
     def _dead_letter_unacked(self, tag: str, reason: str) -> None:
         """A swept message kombu cannot restore: to the dead letters as it was stored, owner and all forgotten."""
