@@ -80,6 +80,8 @@ def test_per_tier_dicts_accept_aliases_and_merge_over_defaults():
         ({"idle_share": "spread"}, r"prio_idle_share must be one of \('proportional', 'next_below'\), got 'spread'"),
         ({"slice": {"realtime": 0.1}}, r"prio_slice\[realtime\] must be None: realtime never yields"),
         ({"slice": {"batch": 0}}, r"prio_slice\[batch\] must be a number > 0"),
+        ({"realtime_target": 0}, r"prio_realtime_target must be a number > 0"),
+        ({"realtime_target": "fast"}, r"prio_realtime_target must be a number > 0"),
         ({"poll_interval": 0}, r"prio_poll_interval must be a number > 0"),
         ({"management_url": "http://m1:15672;m2:15672"}, r"several, ';'-separated"),
         ({"wieghts": {}}, r"unknown celery-prio setting 'wieghts'; did you mean 'prio_weights'\?"),
