@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     # prio simulate --trace: each worker appends what it ran to this file (JSON lines), at most trace_max lines.
     "trace_file": None,
     # Redis: a fetched message whose worker is gone (no heartbeat for this long) goes back to its queue.
-    "redeliver_after": {"realtime": 5, "batch": 30, "offline": 60},
+    "redeliver_after": {"realtime": 5, "batch": 10, "offline": 10},
     # Redis: a capped publish returns once this many replicas have it (WAIT); 1 with Sentinel loses none at failover.
     "wait_replicas": 0,
     # RabbitMQ: "classic" or "quorum" (replicated) tier, front-lane, sub-queue and dead-letter queues.

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from celery_prio.brokers.redis import SWEEP_BATCH
+from celery_prio.brokers.redis_scripts import SWEEP_DEAD_OWNERS
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
 
@@ -55,6 +57,55 @@ def test_a_long_task_on_a_live_worker_is_never_returned(redis_env):
     result = env.app.tasks["t.rt_late"].apply_async(("long", 12.0))
     assert result.get(timeout=30) == "long"
     assert len(events(env, "long", "start")) == 1
+
+
+def test_a_task_that_holds_the_solo_pools_loop_is_never_taken_for_dead(redis_env):
+    """The solo pool runs a task on the worker's event loop: the beat comes from a thread, so a 7 s task
+    (over three times its bound) is not returned and run again by the other worker meanwhile."""
+    env = redis_env
+    env.configure(redeliver_after={"realtime": 2})
+    env.start_worker(concurrency=1, pool="solo")
+    result = env.app.tasks["t.rt_late"].apply_async(("solo", 7.0))
+    env.wait_for(lambda: events(env, "solo", "start"), what="the task to start")
+    env.start_worker(concurrency=2)  # a sweeper that would take the solo worker for dead
+    assert result.get(timeout=30) == "solo"
+    time.sleep(1.0)
+    assert len(events(env, "solo", "start")) == 1
+
+
+def test_the_default_bounds_are_at_most_ten_seconds_for_every_tier():
+    assert max(load_settings({}).redeliver_after.values()) <= 10
+
+
+def test_a_sweep_reads_the_owners_in_bounded_chunks_and_finds_a_dead_owner_anywhere(redis_env):
+    """20,000 in-flight records of a live owner and, among them, a dead one's: every sweep call reads one
+    bounded chunk (Redis serves others in between) and the dead owner's message still comes back."""
+    env = redis_env
+    env.configure(redeliver_after={"realtime": 2, "batch": 2, "offline": 2})
+    settings = load_settings(env.app.conf)
+    client = env.adapter.client
+    live = "alive@host#1"
+    client.hset(settings.heartbeats_key, live, f"{time.time() + 3600:.6f}")  # beats "an hour ahead": never due
+    mapping = {f"live-{i}": f"{live}|batch|{time.time():.6f}" for i in range(20_000)}
+    client.hset(settings.owners_key, mapping=mapping)
+    sweep = client.register_script(SWEEP_DEAD_OWNERS)
+    keys = [settings.owners_key, settings.heartbeats_key, f"{env.prefix}.test-lock", f"{env.prefix}.test-cursor"]
+    try:
+        calls = 0
+        while True:  # the sweep's calls, one chunk each, as a worker makes them
+            reply = sweep(keys=keys, args=["tester", SWEEP_BATCH, "batch", 3600], client=client)
+            calls += 1
+            assert len(reply) == 1  # nothing due under an hour's bound
+            if reply[0] == b"0":
+                break
+        assert calls >= 20_000 // (2 * SWEEP_BATCH)  # chunks, not the whole hash in one call
+        client.hset(settings.owners_key, "dead-tag", "dead@host#2|batch|1.0")
+        env.start_worker(concurrency=1)
+        env.wait_for(lambda: not client.hexists(settings.owners_key, "dead-tag"), timeout=15, what="the sweep")
+        assert client.hlen(settings.owners_key) == 20_000  # the live owner's records are all still there
+    finally:
+        client.delete(settings.owners_key, keys[2], keys[3])
+        client.hdel(settings.heartbeats_key, live)
 
 
 def test_the_sweep_touches_only_this_apps_messages(redis_env):

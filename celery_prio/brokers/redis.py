@@ -16,6 +16,7 @@ from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import decode_problem, decode_redis_element, enqueue_age
 from .base import Broker, BrokerFigures, FetchSource, Job, Take
+from .redis_liveness import PROCESS_HEARTBEAT
 from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, HEARTBEAT, PROMOTE, STAMP, SWEEP_DEAD_OWNERS
 from .redis_transport import drain_rate, registered_subqueues
 
@@ -218,10 +219,20 @@ def describe_dead_entry(raw: bytes) -> dict[str, Any]:
     }
 
 
-#: How often a worker beats and looks for messages of workers that are gone (prompt recovery).
-HEARTBEAT_INTERVAL = 1.0
-#: Most messages one sweep takes over (the next sweep, a second later, goes on).
+#: How often the fleet looks for messages of workers that are gone (prompt recovery; the beat itself
+#: comes from a thread, ``redis_liveness``).
+SWEEP_INTERVAL = 1.0
+#: Owner records one sweep call reads (about 3 ms of Redis); a pass reads at most
+#: ``SWEEP_CHUNKS_PER_PASS`` of them each second and the next pass goes on from the fleet's cursor.
 SWEEP_BATCH = 1000
+SWEEP_CHUNKS_PER_PASS = 50
+
+
+def sweep_keys(settings: PrioSettings) -> list[str]:
+    """The sweep's lock (one sweeper a second for the fleet) and its HSCAN cursor."""
+    return [settings.owners_key + ".sweep", settings.owners_key + ".sweep_cursor"]
+
+
 #: How often a worker reports its per-tier take rate (publishers' Retry-After).
 RATE_INTERVAL = 2.0
 
@@ -377,8 +388,7 @@ class RedisFetchSource(FetchSource):
     # -- housekeeping on the worker's loop --------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         jobs = [
-            Job(HEARTBEAT_INTERVAL, self._heartbeat, "say this worker is alive"),
-            Job(HEARTBEAT_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
+            Job(SWEEP_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
             Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
@@ -409,22 +419,20 @@ class RedisFetchSource(FetchSource):
 
     def join_fleet(self) -> list[list[Any]]:
         self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
+        # Then from a thread, on a connection of its own: a busy event loop (a task under the solo pool,
+        # a long housekeeping pass) never makes this live worker look dead.
+        beat_client = self.channel._create_client(asynchronous=False)
+        PROCESS_HEARTBEAT.attach(lambda: self.heartbeat(beat_client))
         return []
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, client: Any = None) -> None:
         """Say this worker is alive and which tiers it serves (before its first fetch, then every second)."""
         tiers = ",".join(t.label for t in self.served.tiers)
         self._beat(
             keys=[self.settings.heartbeats_key, self.settings.serving_key],
             args=[self.worker_name, tiers],
-            client=self.channel.client,
+            client=client or self.channel.client,
         )
-
-    def _heartbeat(self) -> None:
-        try:
-            self.heartbeat()
-        except self.channel.connection_errors:
-            pass  # broken connection: the consumer reconnects, the next beat retries
 
     def _return_dead_owners_messages(self) -> None:
         """Put back, at the head of their queues, messages fetched by workers that are gone.
@@ -444,19 +452,26 @@ class RedisFetchSource(FetchSource):
         limits: list[Any] = []
         for tier, seconds in settings.redeliver_after.items():
             limits += [tier.label, seconds]
+        returned = 0
         try:
-            tags = self._sweep(
-                keys=[settings.owners_key, settings.heartbeats_key, settings.owners_key + ".sweep"],
-                args=[self.worker_name, SWEEP_BATCH, *limits],
-                client=channel.client,
-            )
-            for tag in tags:
-                self._restore_or_dead_letter(_text(tag))
+            for _ in range(SWEEP_CHUNKS_PER_PASS):  # chunk by chunk: Redis serves others in between
+                reply = self._sweep(
+                    keys=[settings.owners_key, settings.heartbeats_key, *sweep_keys(settings)],
+                    args=[self.worker_name, SWEEP_BATCH, *limits],
+                    client=channel.client,
+                )
+                if not reply:  # another worker sweeps this second
+                    break
+                for tag in reply[1:]:
+                    self._restore_or_dead_letter(_text(tag))
+                returned += len(reply) - 1
+                if _text(reply[0]) == "0":  # the pass reached the end of the hash
+                    break
         except channel.connection_errors:
-            return  # what this sweep took but did not restore is taken again after 10 s (by any worker)
-        if tags:
-            logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", len(tags))
-            self.returned += len(tags)
+            pass  # what this sweep took but did not restore is taken again after 10 s (by any worker)
+        if returned:
+            logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", returned)
+            self.returned += returned
 
     def _restore_or_dead_letter(self, tag: str) -> None:
         """Back to its queue through kombu's restore (marked redelivered); one kombu cannot read back (nested
