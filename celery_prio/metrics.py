@@ -108,6 +108,16 @@ class PrioCollector:
             "Originals of boosted tasks this worker acked unrun (RabbitMQ)",
             value=report.stale_skipped,
         )
+        if report.dead_letters is not None:
+            yield GaugeMetricFamily(
+                "celery_prio_dead_letters",
+                "Entries in the dead-letter queue (capped by prio_dead_letter_max)",
+                value=report.dead_letters,
+            )
+        if report.dead_dropped is not None:
+            yield CounterMetricFamily(
+                "celery_prio_dead_dropped", "Oldest dead letters dropped by the cap (Redis)", value=report.dead_dropped
+            )
         yield GaugeMetricFamily(
             "celery_prio_held_messages",
             "Messages pushed to this worker that wait for a slot (RabbitMQ with prio_fetch='consume')",

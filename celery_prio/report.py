@@ -94,6 +94,9 @@ class WorkerReport:
     # worker cannot find new sub-queues (None: it can).
     unserved: dict[str, dict[str, Any]] = field(default_factory=dict)
     discovery_problem: str | None = None
+    # The dead-letter list's length, and how many the cap (prio_dead_letter_max) dropped (Redis; None elsewhere).
+    dead_letters: int | None = None
+    dead_dropped: int | None = None
     tiers: dict[str, TierReport] = field(default_factory=dict)
     subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
@@ -173,6 +176,8 @@ def build_report(
         held=held,
         unserved={r.queue: r.as_dict() for r in unserved},
         discovery_problem=discovery_problem,
+        dead_letters=broker.dead_letters,
+        dead_dropped=None if counters is None else counters.get("dead_dropped:all", 0),
         tiers=tiers,
     )
 

@@ -64,6 +64,13 @@ DEFAULTS: dict[str, Any] = {
     # original, and how many recently published batch/offline tasks a process remembers (what it can boost).
     "boost_timeout": 1.0,
     "boost_memory": 10_000,
+    # ... and at most this many bytes of their messages (a batch of 4,096 images is big; oldest forgotten first).
+    "boost_memory_bytes": 64 * 1024 * 1024,
+    # Dead letters kept at most (the oldest beyond it are dropped and counted); None: no cap.
+    "dead_letter_max": 100_000,
+    # Redis: a worker, sub-queue or estimate not heard of for this many seconds is pruned from the
+    # fleet's hashes (heartbeats, serving, rates, estimates, the sub-queue registry).
+    "prune_after": 7 * 86400,
     # The demand signal (prio status, prio exporter): seconds in which each tier's waiting work should drain.
     "demand_target": {"realtime": 0.2, "batch": 300, "offline": 3600},
     # prio simulate --trace: each worker appends what it ran to this file (JSON lines), at most trace_max lines.
@@ -142,6 +149,14 @@ def _whole(name: str, value: Any) -> int:
     return value
 
 
+def _optional_positive_whole(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"prio_{name} must be a whole number >= 1 or None, got {value!r}")
+    return value
+
+
 def _optional_path(name: str, value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"prio_{name} must be a file path or None, got {value!r}")
@@ -205,6 +220,9 @@ class PrioSettings:
     inherit: bool
     boost_timeout: float
     boost_memory: int
+    boost_memory_bytes: int
+    dead_letter_max: int | None
+    prune_after: float
     demand_target: dict[Tier, float]
     trace_file: str | None
     redeliver_after: dict[Tier, float]
@@ -511,6 +529,9 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         inherit=_flag("inherit", raw["inherit"]),
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
+        boost_memory_bytes=_whole("boost_memory_bytes", raw["boost_memory_bytes"]),
+        dead_letter_max=_optional_positive_whole("dead_letter_max", raw["dead_letter_max"]),
+        prune_after=_number("prune_after", raw["prune_after"], minimum=60),
         trace_file=_optional_path("trace_file", raw["trace_file"]),
         wait_replicas=_whole("wait_replicas", raw["wait_replicas"]),
         queue_type=queue_type,

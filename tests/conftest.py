@@ -254,3 +254,23 @@ def amqp_push_env(tmp_path):
 
 
 __all__ = ["PrioEnv", "load_settings", "need_broker"]
+
+
+@pytest.fixture
+def redis_parts(redis_env):
+    """Real Redis in this process: ``(env, settings, adapter, fetch source)`` (aging on, so stamps are read)."""
+    from celery_prio.brokers.redis import RedisAdapter, RedisFetchSource
+    from celery_prio.served import ServedQueues
+    from celery_prio.settings import settings_for
+    from celery_prio.tiers import TIERS
+
+    env = redis_env
+    env.configure(aging={"batch": 60, "offline": 60})
+    app = env.app
+    conn = app.connection_for_write()
+    channel = conn.default_channel
+    s = settings_for(app)
+    served = ServedQueues(s, [s.queue_name(t) for t in TIERS])
+    parts = (env, s, RedisAdapter(app, client=channel.client), RedisFetchSource(app, channel, served, s, "fuzz"))
+    yield parts
+    conn.release()

@@ -17,11 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_prio.brokers.redis import RedisAdapter, RedisFetchSource, describe_dead_entry
+from celery_prio.brokers.redis import describe_dead_entry
 from celery_prio.brokers.redis_transport import drain_rate
 from celery_prio.headers import ENQUEUED_HEADER
-from celery_prio.served import ServedQueues
-from celery_prio.settings import settings_for
 from celery_prio.tiers import TIERS, Tier
 from celery_prio.untrusted import enqueue_age, headers_problem, redis_envelope_problem, valid_stamp
 
@@ -73,21 +71,7 @@ def test_dead_list_describes_a_malformed_dead_entry(raw):
     assert describe_dead_entry(raw)["reason"] == "malformed dead-letter entry"
 
 
-# -- real Redis, in process -------------------------------------------------------
-@pytest.fixture
-def redis_parts(redis_env):
-    env = redis_env
-    env.configure(aging={"batch": 60, "offline": 60})
-    app = env.app
-    conn = app.connection_for_write()
-    channel = conn.default_channel
-    s = settings_for(app)
-    served = ServedQueues(s, [s.queue_name(t) for t in TIERS])
-    parts = (env, s, RedisAdapter(app, client=channel.client), RedisFetchSource(app, channel, served, s, "fuzz"))
-    yield parts
-    conn.release()
-
-
+# -- real Redis, in process (the redis_parts fixture is in conftest.py) -----------
 def message(stamp=None, task_id=None, **headers) -> bytes:
     h = {"id": task_id or str(uuid.uuid4()), "task": "t.noop", **headers}
     if stamp is not None:

@@ -135,6 +135,26 @@ def tier_queue(settings: PrioSettings, tier: Tier) -> Queue:
     )
 
 
+def _declare_or_use_as_is(channel: Any, name: str, args: dict[str, Any], asked_by: str) -> Any:
+    """Declare a durable queue; one that exists with other arguments is used as it is (logged with the fix).
+    Returns the channel to go on with (RabbitMQ closes the one a failed declare was on)."""
+    try:
+        channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
+    except PreconditionFailed as exc:
+        logger.error(
+            "celery-prio: queue %s exists with other arguments than %s ask for (%s): %s. Using the queue as "
+            "it is. To apply the new settings (a queue's type can never change), drain and delete the queue, "
+            "or set a RabbitMQ policy (rabbitmqctl set_policy ... '{\"max-length\": N}').",
+            name,
+            asked_by,
+            args,
+            exc.reply_text,
+        )
+        channel = channel.connection.channel()
+        channel.queue_declare(queue=name, passive=True)
+    return channel
+
+
 def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> Any:
     """Declare tier queues, the dead-letter queue and the routes between them.
 
@@ -144,26 +164,15 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     Returns the channel to go on with (a new one if that happened).
     """
     dead = settings.dead_letter_queue
-    channel.queue_declare(queue=dead, durable=True, auto_delete=False, arguments=quorum_arguments(settings, {}))
+    # The cap drops the oldest dead letters (RabbitMQ's default overflow, drop-head).
+    capped = {} if settings.dead_letter_max is None else {"x-max-length": settings.dead_letter_max}
+    channel = _declare_or_use_as_is(channel, dead, quorum_arguments(settings, capped), "prio_dead_letter_max")
     for tier in TIERS:  # every tier queue: aging routes into the one above
         name = settings.queue_name(tier)
-        args = queue_arguments(settings, tier)
         channel.exchange_declare(exchange=name, type="direct", durable=True, auto_delete=False)
-        try:
-            channel.queue_declare(queue=name, durable=True, auto_delete=False, arguments=args)
-        except PreconditionFailed as exc:
-            logger.error(
-                "celery-prio: queue %s exists with other arguments than prio_max_length/prio_overflow/"
-                "prio_aging/prio_queue_type ask for (%s): %s. Using the queue as it is. To apply the new "
-                "settings (a queue's type can never change), drain "
-                "and delete the queue, or set a RabbitMQ policy "
-                "(rabbitmqctl set_policy ... '{\"max-length\": N}').",
-                name,
-                args,
-                exc.reply_text,
-            )
-            channel = channel.connection.channel()
-            channel.queue_declare(queue=name, passive=True)
+        channel = _declare_or_use_as_is(
+            channel, name, queue_arguments(settings, tier), "prio_max_length/prio_overflow/prio_aging/prio_queue_type"
+        )
         channel.queue_bind(queue=name, exchange=name, routing_key=name)
     for tier in settings.front_lanes():
         channel = _declare_front_lane(channel, settings, tier)

@@ -72,6 +72,26 @@ class Published:
     headers: dict
     properties: dict
     generation: int = 0  # boosts so far
+    size: int = 0  # about how many bytes it holds (``approx_size``): the memory is bounded by bytes too
+
+
+def approx_size(value: Any, budget: int = 200) -> int:
+    """About how many bytes ``value`` (a task's args and kwargs) weighs, in bounded time: long lists are
+    sampled, not walked, so a 4,096-image batch costs as much to weigh as a small one."""
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return len(value) + 16
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value) if not isinstance(value, (list, tuple)) else value
+        if not items:
+            return 16
+        step = max(1, len(items) // max(1, min(budget, 20)))
+        sample = items[::step][: max(1, budget)]
+        each = max(1, budget // len(sample))
+        return 16 + sum(approx_size(x, each) for x in sample) * len(items) // len(sample)
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, tensors' numpy views
+    return int(nbytes) if isinstance(nbytes, int) else 16
 
 
 class RecentPublishes:
@@ -83,6 +103,8 @@ class RecentPublishes:
 
     def __init__(self) -> None:
         self.size = 0
+        self.max_bytes = 0
+        self.bytes = 0  # what the kept entries weigh, about
         self._settings: list[PrioSettings] = []
         self._entries: OrderedDict[str, Published] = OrderedDict()
         self._pending = threading.local()
@@ -90,6 +112,7 @@ class RecentPublishes:
 
     def watch(self, settings: PrioSettings) -> None:
         self.size = max(self.size, settings.boost_memory)
+        self.max_bytes = max(self.max_bytes, settings.boost_memory_bytes)
         if all(s.queue_prefix != settings.queue_prefix for s in self._settings):
             self._settings.append(settings)
 
@@ -107,7 +130,11 @@ class RecentPublishes:
         if tier is None or tier is Tier.REALTIME or not isinstance(headers, dict):
             self._pending.value = None
             return
-        self._pending.value = Published(tier, routing_key, body, headers, dict(kw.get("properties") or {}))
+        size = approx_size(body)
+        if size > self.max_bytes:  # bigger than the whole memory: not boostable from here (boost says not_found)
+            self._pending.value = None
+            return
+        self._pending.value = Published(tier, routing_key, body, headers, dict(kw.get("properties") or {}), size=size)
 
     def after_publish(self, headers: Any = None, **_: Any) -> None:
         pending = getattr(self._pending, "value", None)
@@ -115,9 +142,12 @@ class RecentPublishes:
         if pending is None or pending.headers is not headers or not isinstance(headers.get("id"), str):
             return
         with self.lock:
+            replaced = self._entries.pop(headers["id"], None)
+            self.bytes += pending.size - (replaced.size if replaced else 0)
             self._entries[headers["id"]] = pending
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+            while len(self._entries) > self.size or self.bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.size
 
     def get(self, task_id: str) -> Published | None:
         with self.lock:

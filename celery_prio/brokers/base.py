@@ -83,6 +83,7 @@ class BrokerFigures:
     oldest_age: dict[Tier, float | None] = field(default_factory=dict)  # at ``read_at``; None: unknown
     depth: dict[Tier, int] = field(default_factory=dict)  # waiting in the queues this worker serves, per tier
     read_at: float = 0.0
+    dead_letters: int | None = None  # the dead-letter queue's length
 
 
 class FetchSource(ABC):
@@ -149,7 +150,11 @@ class FetchSource(ABC):
 
     def broker_figures(self, now: float) -> BrokerFigures:
         """Counters, oldest ages and depths, for the worker report. Called on the worker's loop."""
-        return BrokerFigures(depth=self.served_depths(), read_at=now)
+        return BrokerFigures(depth=self.served_depths(), read_at=now, dead_letters=self.dead_letter_depth())
+
+    def dead_letter_depth(self) -> int | None:
+        """Length of the dead-letter queue (read for the report and its metric)."""
+        return self.queue_depths([self.settings.dead_letter_queue])[0]
 
     #: Queues per tier whose depth a worker reads for its report (a tier with more sub-queues: the first ones).
     DEPTH_QUEUES_PER_TIER = 50

@@ -20,6 +20,7 @@ from kombu import Connection, Exchange, Queue
 from ..errors import ConfigError, QueueFull
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
+from .redis_pruning import mention
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class RedisPublishing(Publishing):
             client = conn.default_channel.client
             if client.sadd(settings.subqueue_registry, name):
                 client.incr(settings.subqueue_registry_version)
+            mention(client, settings, "subqueues", [name])  # in use: not pruned for prio_prune_after
 
     @functools.cached_property
     def continuations(self) -> Any:

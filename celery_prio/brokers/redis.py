@@ -17,7 +17,18 @@ from ..tiers import TIERS, Tier
 from ..untrusted import decode_problem, decode_redis_element, enqueue_age
 from .base import Broker, BrokerFigures, FetchSource, Job, Take
 from .redis_liveness import PROCESS_HEARTBEAT
-from .redis_scripts import DEAD_HEAD, DEAD_LETTER, DEAD_REQUEUE, FETCH, HEARTBEAT, PROMOTE, STAMP, SWEEP_DEAD_OWNERS
+from .redis_pruning import PRUNE_INTERVAL, mention, prune
+from .redis_scripts import (
+    DEAD_HEAD,
+    DEAD_LETTER,
+    DEAD_REQUEUE,
+    FETCH,
+    HEARTBEAT,
+    PROMOTE,
+    STAMP,
+    SWEEP_DEAD_OWNERS,
+    TRIM_DEAD,
+)
 from .redis_transport import drain_rate, registered_subqueues
 
 logger = logging.getLogger(__name__)
@@ -110,10 +121,22 @@ class RedisAdapter(Broker):
             caps += [settings.queue_name(tier), cap if cap is not None else -1]
             caps += [settings.queue_name(tier) + PROMOTED_SUFFIX, -1]
             caps += [settings.queue_name(tier) + ".", sub_cap if sub_cap is not None else -1]
-        moved, left, skipped = self.client.eval(
-            DEAD_REQUEUE, 1, settings.dead_letter_queue, limit if limit is not None else 2**62, *caps
-        )
-        return int(moved), int(left), int(skipped)
+        # Chunk by chunk (each call bounded in entries and bytes): Redis serves others in between, and an
+        # interrupted requeue has moved whole entries only. Each entry is looked at once per requeue.
+        requeue = self.client.register_script(DEAD_REQUEUE)
+        to_look = self.client.llen(settings.dead_letter_queue)
+        moved = skipped = 0
+        left = to_look
+        while to_look > 0 and (limit is None or moved < limit):
+            chunk = min(REQUEUE_CHUNK, to_look)
+            want = REQUEUE_CHUNK if limit is None else limit - moved
+            m, left, s, looked, full = (
+                int(x) for x in requeue(keys=[settings.dead_letter_queue], args=[want, chunk, *caps])
+            )
+            moved, skipped, to_look = moved + m, skipped + s, to_look - looked
+            if full or looked == 0:
+                break
+        return moved, int(left), skipped
 
     def dead_purge(self, settings: PrioSettings) -> int:
         with self.client.pipeline() as pipe:
@@ -219,6 +242,11 @@ def describe_dead_entry(raw: bytes) -> dict[str, Any]:
     }
 
 
+#: How often, and how many at most per call, the oldest dead letters beyond ``prio_dead_letter_max`` go.
+DEAD_CAP_INTERVAL = 5.0
+DEAD_CAP_STEP = 10_000
+#: Dead letters one requeue call looks at (the whole requeue is a series of such calls).
+REQUEUE_CHUNK = 500
 #: How often the fleet looks for messages of workers that are gone (prompt recovery; the beat itself
 #: comes from a thread, ``redis_liveness``).
 SWEEP_INTERVAL = 1.0
@@ -391,7 +419,10 @@ class RedisFetchSource(FetchSource):
             Job(SWEEP_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
             Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+            Job(PRUNE_INTERVAL, self._prune, "prune workers, estimates and sub-queues unheard of"),
         ]
+        if self.settings.dead_letter_max is not None:
+            jobs.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
             # Every worker ages, whatever its -Q: offline ages into batch with no offline worker at all.
             jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
@@ -493,6 +524,23 @@ class RedisFetchSource(FetchSource):
         tier = self.settings.tier_for_queue(queue) or self.settings.default_tier
         self._dead_letter_raw(raw, f"{reason}; found when its worker was gone", tier, queue, tag)
 
+    def _prune(self) -> None:
+        gone = prune(self.channel.client, self.settings, self.worker_name)
+        if any(gone.values()):
+            logger.info("celery-prio: pruned what nobody mentioned for prio_prune_after: %s", gone)
+
+    def _cap_dead_letters(self) -> None:
+        client, settings = self.channel.client, self.settings
+        dropped = client.eval(
+            TRIM_DEAD, 2, settings.dead_letter_queue, settings.stats_key, settings.dead_letter_max, DEAD_CAP_STEP
+        )
+        if dropped:
+            logger.warning(
+                "celery-prio: dropped the %d oldest dead letters (prio_dead_letter_max=%d)",
+                dropped,
+                settings.dead_letter_max,
+            )
+
     def _share_estimates(self) -> None:
         """Run-time estimates of the queues inside the tiers, shared by the fleet (shortest-job-first order).
 
@@ -506,6 +554,7 @@ class RedisFetchSource(FetchSource):
         client = self.channel.client
         if mine:
             client.hset(key, mapping=mine)
+            mention(client, self.settings, "estimates", list(mine))
         fleet = client.hgetall(key)
         for name, state in states:
             raw = fleet.get(name.encode())
@@ -545,7 +594,11 @@ class RedisFetchSource(FetchSource):
         wall = time.time()
         oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
         return BrokerFigures(
-            counters=self.adapter.counters(self.settings), oldest_age=oldest, depth=self.served_depths(), read_at=now
+            counters=self.adapter.counters(self.settings),
+            oldest_age=oldest,
+            depth=self.served_depths(),
+            read_at=now,
+            dead_letters=self.dead_letter_depth(),
         )
 
     def queue_depths(self, names: list[str]) -> list[int]:

@@ -104,6 +104,9 @@ class RedisBooster:
             if hit is None:
                 return None
             if int(hit[0]) == 0:  # the look's budget ended: go on from there
-                start, offset = int(hit[1]), max(0, int(hit[2]) - SCAN_OVERLAP)
+                ended_in, ended_at = int(hit[1]), int(hit[2])
+                progress = ended_at - offset if ended_in == start else ended_at
+                # Overlap at most half of what the look read, so looks of a few big messages still move on.
+                start, offset = ended_in, max(0, ended_at - min(SCAN_OVERLAP, progress // 2))
                 continue
             return queues[int(hit[0]) - 1], hit[2]

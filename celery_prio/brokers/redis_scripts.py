@@ -12,6 +12,13 @@ can duplicate an entry into the dead list but never lose one.
 
 from __future__ import annotations
 
+#: Bytes of messages one script call reads at most where it walks a list (requeue, boost scan, the
+#: fetch's dead-lettering): a few ms of Redis, and little Lua memory, whatever the messages' size.
+SCRIPT_BYTES = 4 * 1024 * 1024
+#: Oldest elements one publish evicts at most under ``drop_oldest``: after a cap is lowered, the
+#: excess goes over the following publishes (bounded each) instead of in one call.
+EVICT_BUDGET = 1000
+
 #: Shared by the scripts below: wrap one element for the dead-letter list.
 DEAD_ENTRY = """
 local function dead_entry(raw, reason, tier, now, queue)
@@ -39,7 +46,9 @@ if ARGV[3] ~= 'drop_oldest' then
   return {0, n}
 end
 local evicted = 0
-while n >= cap do
+while n >= cap and evicted < """
+    + str(EVICT_BUDGET)
+    + """ do
   local old = redis.call('LINDEX', KEYS[1], -1)
   if not old then break end
   redis.call('LPUSH', KEYS[2], dead_entry(old, 'drop_oldest', ARGV[4], ARGV[5], KEYS[1]))
@@ -59,13 +68,17 @@ return {1, n + 1}
 #: data, never a routing instruction. An entry that is malformed or names
 #: another destination is skipped (rotated to the newest end, so nothing is
 #: lost and the pass moves on); a full destination stops the pass.
-#: KEYS: dead list. ARGV: limit, then pairs of (queue name, cap) for every
-#: allowed destination; a name ending in '.' stands for every sub-queue of a
-#: tier (``<prefix>.<tier>.<1-64 letters, digits, _ or ->``, not promoted/dlx).
-#: Returns {moved, left, skipped}.
-DEAD_REQUEUE = """
+#: One call looks at no more than ARGV[2] entries and about ``SCRIPT_BYTES``
+#: bytes, so a long list is requeued in calls that let Redis serve others.
+#: KEYS: dead list. ARGV: limit, most entries to look at, then pairs of (queue
+#: name, cap) for every allowed destination; a name ending in '.' stands for
+#: every sub-queue of a tier (``<prefix>.<tier>.<1-64 letters, digits, _ or
+#: ->``, not promoted/dlx). Returns {moved, left, skipped, looked, full (1 when
+#: a full destination stopped it)}.
+DEAD_REQUEUE = (
+    """
 local caps, heads = {}, {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if string.sub(ARGV[i], -1) == '.' then heads[ARGV[i]] = tonumber(ARGV[i + 1])
   else caps[ARGV[i]] = tonumber(ARGV[i + 1]) end
 end
@@ -80,13 +93,16 @@ local function cap_of(queue)
   end
   return nil
 end
-local moved, skipped = 0, 0
+local moved, skipped, looked, bytes, full = 0, 0, 0, 0, 0
 local limit = tonumber(ARGV[1])
-local budget = redis.call('LLEN', KEYS[1])  -- each entry is looked at once
-while moved < limit and budget > 0 do
+local budget = tonumber(ARGV[2])
+while moved < limit and looked < budget and bytes < """
+    + str(SCRIPT_BYTES)
+    + """ do
   local raw = redis.call('LINDEX', KEYS[1], -1)
   if not raw then break end
-  budget = budget - 1
+  looked = looked + 1
+  bytes = bytes + #raw
   local ok, entry = pcall(cjson.decode, raw)
   local queue, message = nil, nil
   if ok and type(entry) == 'table' and type(entry['headers']) == 'table' then
@@ -98,13 +114,27 @@ while moved < limit and budget > 0 do
     redis.call('LMOVE', KEYS[1], KEYS[1], 'RIGHT', 'LEFT')
     skipped = skipped + 1
   else
-    if cap >= 0 and redis.call('LLEN', queue) >= cap then break end
+    if cap >= 0 and redis.call('LLEN', queue) >= cap then full = 1; looked = looked - 1; break end
     redis.call('LPUSH', queue, message)
     redis.call('RPOP', KEYS[1])
     moved = moved + 1
   end
 end
-return {moved, redis.call('LLEN', KEYS[1]), skipped}
+return {moved, redis.call('LLEN', KEYS[1]), skipped, looked, full}
+"""
+)
+
+#: Keep the dead-letter list under its cap (``prio_dead_letter_max``): drop
+#: the oldest beyond it, at most ARGV[2] per call, and count them.
+#: KEYS: dead list, stats hash. ARGV: cap, most to drop. Returns how many went.
+TRIM_DEAD = """
+local n = redis.call('LLEN', KEYS[1])
+local cap = tonumber(ARGV[1])
+if n <= cap then return 0 end
+local drop = math.min(n - cap, tonumber(ARGV[2]))
+redis.call('LTRIM', KEYS[1], 0, n - drop - 1)
+redis.call('HINCRBY', KEYS[2], 'dead_dropped:all', drop)
+return drop
 """
 
 #: Move aged messages from the oldest end of a lower tier list to the upper
@@ -182,8 +212,8 @@ return 1
 """
 )
 
-#: Most malformed elements one fetch call moves aside before it answers, so a
-#: list full of garbage never holds Redis for long.
+#: Most malformed elements one fetch call moves aside before it answers (and at most
+#: ``SCRIPT_BYTES`` of them), so a list full of garbage never holds Redis for long.
 FETCH_DEAD_BUDGET = 100
 
 #: Take the oldest message of the first non-empty list and record it as
@@ -207,7 +237,7 @@ FETCH = (
     + """
 local n = #KEYS - 6
 local version = redis.call('GET', KEYS[n + 6]) or ''
-local dead = 0
+local dead, dead_bytes = 0, 0
 for i = 1, n do
   while true do
     local raw = redis.call('LINDEX', KEYS[i], -1)
@@ -230,8 +260,11 @@ for i = 1, n do
       redis.call('RPOP', KEYS[i])
       redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. ARGV[1 + i], 1)
       dead = dead + 1
+      dead_bytes = dead_bytes + #raw
       if dead >= """
     + str(FETCH_DEAD_BUDGET)
+    + """ or dead_bytes >= """
+    + str(SCRIPT_BYTES)
     + """ then return {0, dead, version} end
     else
       local tag = msg['properties']['delivery_tag']
@@ -297,23 +330,29 @@ BOOST_SCAN_BUDGET = 10_000
 
 #: Find the task with id ARGV[1] in the lists KEYS, newest end first (a task
 #: someone waits on was usually published lately), reading at most ARGV[2]
-#: elements from list ARGV[3] (1-based), offset ARGV[4] on. Read-only. A
+#: elements (and about ``SCRIPT_BYTES``) from list ARGV[3] (1-based), offset ARGV[4] on. Read-only. A
 #: substring test finds candidates; the id is confirmed in the parsed headers
 #: (a child's message carries its parent's id as ``parent_id``).
 #: Returns {list, offset, element} when found, {0, list, offset} where the
 #: budget ended (look again from there), or nil when it is in none of them.
-BOOST_FIND = """
+BOOST_FIND = (
+    """
 local id = ARGV[1]
 local budget = tonumber(ARGV[2])
 local offset = tonumber(ARGV[4])
-local chunk = 1000
+local bytes = """
+    + str(SCRIPT_BYTES)
+    + """
+local chunk = 8  -- a first look of a few: the elements may be big; later looks are sized by weight
 for i = tonumber(ARGV[3]), #KEYS do
   while true do
-    if budget <= 0 then return {0, i, offset} end
+    if budget <= 0 or bytes <= 0 then return {0, i, offset} end
     local n = math.min(chunk, budget)
     local elems = redis.call('LRANGE', KEYS[i], offset, offset + n - 1)
     if #elems == 0 then break end
+    local read = 0
     for j = 1, #elems do
+      read = read + #elems[j]
       if string.find(elems[j], id, 1, true) then
         local ok, msg = pcall(cjson.decode, elems[j])
         if ok and type(msg) == 'table' and type(msg['headers']) == 'table' and msg['headers']['id'] == id then
@@ -322,13 +361,17 @@ for i = tonumber(ARGV[3]), #KEYS do
       end
     end
     budget = budget - #elems
+    bytes = bytes - read
     offset = offset + #elems
     if #elems < n then break end
+    -- next chunk sized by what these elements weigh: big messages are read a few at a time
+    chunk = math.max(1, math.min(1000, math.floor(bytes / math.max(1, read / #elems))))
   end
   offset = 0
 end
 return nil
 """
+)
 
 #: Lift one element: remove it from its list and add its rewritten copy to
 #: the destination, only if it is still there (a worker may have taken it,
