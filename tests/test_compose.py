@@ -47,7 +47,8 @@ def option(command: list[str], flag: str) -> str | None:
     return None
 
 
-def test_every_command_names_something_that_exists(compose):
+def test_every_command_names_something_that_exists(compose, monkeypatch):
+    monkeypatch.setenv("HTTP_API_KEYS", "compose-test-key")  # as compose/.env gives it (the door needs a key)
     services = compose["services"]
     prefix = load_settings({}).queue_prefix
     tier_queues = {f"{prefix}.{t.label}" for t in TIERS}
@@ -64,6 +65,7 @@ def test_every_command_names_something_that_exists(compose):
             assert hasattr(importlib.import_module(module), attr), f"{name}: {command[1]} does not exist"
             port = option(command, "--port")
             published = [p.split(":")[-1] for p in services[name]["ports"]]
+            assert all(p.startswith(("127.0.0.1:", "${HTTP_BIND:-127.0.0.1}:")) for p in services[name]["ports"])
             assert port in published, f"{name}: listens on {port}, publishes {published}"
     assert option(services["worker-realtime"]["command"], "-Q") == f"{prefix}.realtime"
     assert option(services["worker-realtime"]["command"], "--gpus") is not None

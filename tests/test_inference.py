@@ -138,11 +138,44 @@ def test_real_worker_serves_all_three_tasks_and_survives_bad_input(tasks_env):
     assert {d["device"] for d in stats["devices"].values()} == {"cpu"}
 
 
+API_KEY = "test-key-" + "x" * 24
+
+
+def door(app, deadline_s: float) -> TestClient:
+    """The front door as a client with a key uses it."""
+    return TestClient(
+        create_api(app, deadline_s=deadline_s, api_keys=[API_KEY]), headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+
+
+def test_the_front_door_refuses_without_a_key_and_knows_only_its_own_jobs(tasks_env, monkeypatch):
+    from celery_prio.errors import ConfigError
+
+    monkeypatch.delenv("HTTP_API_KEYS", raising=False)
+    monkeypatch.delenv("HTTP_AUTH", raising=False)
+    with pytest.raises(ConfigError, match="HTTP_API_KEYS"):
+        create_api(tasks_env.app)  # no key configured: refused at start, not open to anyone
+    api = create_api(tasks_env.app, api_keys=[API_KEY])
+    anonymous = TestClient(api)
+    for method, path in (("post", "/v1/classify"), ("post", "/v1/evaluate"), ("get", "/v1/tasks/x/result")):
+        assert getattr(anonymous, method)(path).status_code == 401
+    wrong = TestClient(api, headers={"Authorization": "Bearer nope"})
+    assert wrong.get("/v1/tasks/x").status_code == 401
+    client = TestClient(api, headers={"X-API-Key": API_KEY})
+    # A made-up or foreign id is refused at once: nothing is scanned or lifted for it.
+    made_up = client.get("/v1/tasks/0f6c3a4e-1d1b-4bb8-9f37-6ad5a9c4b1f2/result", params={"timeout": 1})
+    assert made_up.status_code == 404 and "submitted through this front door" in made_up.json()["detail"]
+    huge = client.post("/v1/classify_batch", content=b"[" + b"0," * 3_000_000 + b"0]")
+    assert huge.status_code == 413 and "limit" in huge.json()["detail"]
+    monkeypatch.setenv("HTTP_AUTH", "none")
+    assert TestClient(create_api(tasks_env.app)).get("/v1/tasks/x").status_code == 404  # opted out on purpose
+
+
 @pytest.mark.slow
 def test_http_front_door(tasks_env, tmp_path):
     x, y = images(3)
     # 504: no worker yet, short deadline.
-    client = TestClient(create_api(tasks_env.app, deadline_s=0.5))
+    client = door(tasks_env.app, 0.5)
     assert client.post("/v1/classify", json={"image": x[0]}).status_code == 504
     # 422: the reason is in the body, nothing is published.
     bad = client.post("/v1/classify", json={"image": [[1, 2]]})
@@ -151,7 +184,7 @@ def test_http_front_door(tasks_env, tmp_path):
     assert client.post("/v1/classify_batch", json={"images": []}).status_code == 422
     # 200 with a worker.
     tasks_env.start_worker()
-    client = TestClient(create_api(tasks_env.app, deadline_s=30))
+    client = door(tasks_env.app, 30)
     ok = client.post("/v1/classify", json={"image": x[0]})
     assert ok.status_code == 200 and ok.json()["label"] == y[0]
     accepted = client.post("/v1/classify_batch", json={"images": x})
@@ -167,7 +200,7 @@ def test_http_waiting_on_a_batch_job_lifts_it_to_realtime(tasks_env):
     """A job submitted with 202 behind a batch backlog; a caller now waits on it: it runs next, not last."""
     x, y = images(4)
     many, _ = images(64)
-    client = TestClient(create_api(tasks_env.app, deadline_s=30))
+    client = door(tasks_env.app, 30)
     name = "tasks.inference.classify_batch"
     backlog = [tasks_env.app.send_task(name, args=[many], tier="batch").id for _ in range(300)]
     job = client.post("/v1/classify_batch", json={"images": x}).json()["task_id"]  # behind 300 batch jobs
@@ -187,7 +220,7 @@ def test_http_429_when_the_realtime_tier_is_full(tmp_path):
     need_broker("redis")
     env = TasksEnv(tmp_path, max_length={"realtime": 5})
     try:
-        client = TestClient(create_api(env.app, deadline_s=0.2))
+        client = door(env.app, 0.2)
         x, _ = images(1)
         for _ in range(5):  # no worker: each waits out its deadline in the queue
             assert client.post("/v1/classify", json={"image": x[0]}).status_code == 504
