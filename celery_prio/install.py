@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from celery import Celery, signals
@@ -23,6 +24,15 @@ logger = logging.getLogger(__name__)
 CONSUMER_PATH = "celery_prio.consumer:PrioConsumer"
 
 
+def _mask_in_inspect_conf(word: str) -> None:
+    """``celery inspect conf`` masks settings whose names match Celery's ``HIDDEN_SETTINGS`` (KEY, PASS,
+    SECRET ...); ``prio_management_url`` may hold credentials too, so its name joins that list."""
+    from celery.app import utils
+
+    if word not in utils.HIDDEN_SETTINGS.pattern:
+        utils.HIDDEN_SETTINGS = re.compile(f"{utils.HIDDEN_SETTINGS.pattern}|{word}", re.IGNORECASE)
+
+
 def install(app: Celery, **overrides: Any) -> PrioSettings:
     """Route tasks into tier queues and make workers schedule them by tier.
 
@@ -35,6 +45,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     for name, value in overrides.items():
         app.conf[f"prio_{name.removeprefix('prio_')}"] = value
     app._celery_prio_settings = settings
+    _mask_in_inspect_conf("MANAGEMENT_URL")
 
     # Queues: keep the user's, add the three tiers (so a plain
     # ``celery -A app worker`` consumes them and tools can list them).

@@ -105,6 +105,8 @@ DEFAULTS: dict[str, Any] = {
     "metrics_host": "127.0.0.1",
     # RabbitMQ management API for Retry-After (None: the broker's host, https on 15671 for amqps://)
     "management_url": None,
+    # Send the broker's credentials to a management endpoint over plain HTTP off this host (refused by default).
+    "management_plain_http": False,
 }
 
 
@@ -245,6 +247,7 @@ class PrioSettings:
     metrics_port: int | None
     metrics_host: str
     management_url: str | None
+    management_plain_http: bool
 
     def queue_name(self, tier: Tier) -> str:
         return f"{self.queue_prefix}.{tier.label}"
@@ -554,6 +557,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         metrics_port=port,
         metrics_host=raw["metrics_host"],
         management_url=management_url,
+        management_plain_http=_flag("management_plain_http", raw["management_plain_http"]),
     )
 
 

@@ -140,32 +140,54 @@ def test_route_patterns():
     assert s.tier_for_task_name("billing.charge") is None
 
 
+UP = ("u", "p")
+PLAIN = (
+    "the broker's credentials are not sent over plain HTTP to {}: use an https:// prio_management_url, put "
+    "management credentials in that URL, or set prio_management_plain_http=True to send them anyway"
+)
+
+
 @pytest.mark.parametrize(
     ("broker", "management_url", "tls", "expected"),
     [
-        ("amqp://u:p@rabbit:5672//", None, False, ("http://rabbit:15672", "/", ("u", "p"))),
-        ("amqps://u:p@rabbit:5671/prod", None, False, ("https://rabbit:15671", "prod", ("u", "p"))),
-        ("amqp://u:p@rabbit:5672//", None, True, ("https://rabbit:15671", "/", ("u", "p"))),
-        ("amqp://rabbit//", None, False, ("http://rabbit:15672", "/", None)),  # no guest fallback
+        # plain HTTP off this host: the broker's credentials are withheld, and why is said
+        (
+            "amqp://u:p@rabbit:5672//",
+            None,
+            False,
+            ("http://rabbit:15672", "/", (None,), PLAIN.format("http://rabbit:15672")),
+        ),
+        ("amqp://u:p@localhost:5672//", None, False, ("http://localhost:15672", "/", (UP,), None)),  # loopback
+        ("amqps://u:p@rabbit:5671/prod", None, False, ("https://rabbit:15671", "prod", (UP,), None)),
+        ("amqp://u:p@rabbit:5672//", None, True, ("https://rabbit:15671", "/", (UP,), None)),
+        ("amqp://rabbit//", None, False, ("http://rabbit:15672", "/", (None,), None)),  # no guest fallback
         (
             "amqp://u:p@rabbit//",
             "https://ops:s3cret@mgmt.example:443/rmq",
             False,
-            ("https://mgmt.example:443/rmq", "/", ("ops", "s3cret")),
+            ("https://mgmt.example:443/rmq", "/", (("ops", "s3cret"),), None),
         ),
-        ("amqp://u:p@rabbit//", "https://mgmt.example", False, ("https://mgmt.example", "/", ("u", "p"))),
-        # a cluster: every failover host, once, in order; or the URLs given, credentials from the first naming any
+        ("amqp://u:p@rabbit//", "https://mgmt.example", False, ("https://mgmt.example", "/", (UP,), None)),
+        # the case: a TLS broker and a plain-HTTP management URL: withheld
         (
-            "amqp://u:p@r1:5672//;amqp://u:p@r2:5672//;amqp://u:p@r1:5673//",
+            "amqps://u:p@rabbit//",
+            "http://mgmt.example:15672",
+            False,
+            ("http://mgmt.example:15672", "/", (None,), PLAIN.format("http://mgmt.example:15672")),
+        ),
+        # a cluster: every failover host, once, in order
+        (
+            "amqps://u:p@r1:5671//;amqps://u:p@r2:5671//;amqps://u:p@r1:5673//",
             None,
             False,
-            ("http://r1:15672;http://r2:15672", "/", ("u", "p")),
+            ("https://r1:15671;https://r2:15671", "/", (UP, UP), None),
         ),
+        # each endpoint its own credentials, never another's
         (
             "amqp://u:p@r1//",
-            "http://m1:15672; http://ops:pw@m2:15672/",
+            "https://m1:15671; https://ops:pw@m2:15671/",
             False,
-            ("http://m1:15672;http://m2:15672/", "/", ("ops", "pw")),
+            ("https://m1:15671;https://m2:15671/", "/", (UP, ("ops", "pw")), None),
         ),
     ],
 )
@@ -175,3 +197,24 @@ def test_management_endpoint_follows_the_broker_tls_and_never_defaults_credentia
     from celery_prio.brokers.amqp_management import management_endpoint
 
     assert management_endpoint(broker, management_url, tls=tls) == expected
+
+
+def test_plain_http_sends_the_broker_credentials_only_when_a_setting_says_so():
+    from celery_prio.brokers.amqp_management import management_endpoint
+
+    assert management_endpoint("amqp://u:p@rabbit//", None, plain_http=True)[2:] == ((UP,), None)
+    assert load_settings({}).management_plain_http is False
+    with pytest.raises(ConfigError, match="prio_management_plain_http"):
+        load_settings({}, {"management_plain_http": "yes"})
+
+
+def test_inspect_conf_masks_the_management_url():
+    from celery import Celery
+    from celery.app.utils import filter_hidden_settings
+
+    import celery_prio
+
+    app = Celery("masked", broker="amqp://u:p@localhost//")
+    celery_prio.install(app, management_url="https://ops:s3cret@mgmt.example")
+    shown = filter_hidden_settings(app.conf.table(with_defaults=False))
+    assert "s3cret" not in repr(shown) and shown["prio_management_url"] == "********"

@@ -34,14 +34,18 @@ TIMEOUT_SECONDS = 0.3
 
 
 class ManagementClient:
-    def __init__(self, base_url: str, vhost: str, auth: tuple[str, str] | None) -> None:
-        """``base_url``: one endpoint, or several separated by ``;`` (a cluster's nodes)."""
+    def __init__(self, base_url: str, vhost: str, auths: tuple[tuple[str, str] | None, ...] | None) -> None:
+        """``base_url``: one endpoint, or several separated by ``;`` (a cluster's nodes); ``auths``: the
+        credentials of each (None: send none)."""
         self.endpoints = [_endpoint(url.strip()) for url in base_url.split(";") if url.strip()]
         self._current = 0
         self.vhost = vhost
-        self.headers = {"Accept": "application/json"}
-        if auth is not None:
-            self.headers["Authorization"] = "Basic " + b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        self._headers = []
+        for auth in auths or [None] * len(self.endpoints):
+            headers = {"Accept": "application/json"}
+            if auth is not None:
+                headers["Authorization"] = "Basic " + b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+            self._headers.append(headers)
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, float]] = {}
@@ -50,6 +54,11 @@ class ManagementClient:
     @property
     def path(self) -> str:
         return self.endpoints[self._current][3]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The request headers of the endpoint in use (its own credentials)."""
+        return self._headers[self._current]
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
@@ -133,7 +142,7 @@ class ManagementClient:
             return 0.0
 
 
-_clients: dict[tuple[str, str, tuple[str, str] | None], ManagementClient] = {}
+_clients: dict[tuple[Any, ...], ManagementClient] = {}
 _clients_lock = threading.Lock()
 
 
@@ -144,12 +153,21 @@ def _endpoint(url: str) -> tuple[bool, str, int, str]:
     return https, parts.hostname or "localhost", parts.port or (15671 if https else 15672), parts.path.rstrip("/")
 
 
-def management_endpoint(
-    broker_url: str, management_url: str | None, tls: bool = False
-) -> tuple[str, str, tuple[str, str] | None]:
-    """``(base URL(s) without credentials, vhost, credentials or None)``. Pure: no connection made.
+Auth = tuple[str, str]
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
-    Several base URLs (a cluster) come back ``;``-separated, in the order given.
+
+def management_endpoint(
+    broker_url: str, management_url: str | None, tls: bool = False, plain_http: bool = False
+) -> tuple[str, str, tuple[Auth | None, ...], str | None]:
+    """``(base URL(s) without credentials, vhost, credentials per base, why some were withheld)``. Pure.
+
+    Several base URLs (a cluster) come back ``;``-separated, in the order
+    given. Each endpoint uses the credentials in its own URL, else the
+    broker's, never another endpoint's. The broker's credentials never go
+    over plain HTTP off this host unless ``plain_http`` (the setting
+    ``prio_management_plain_http``) says so; where they are withheld the
+    reason comes back (the caller logs it, and the API then goes unused).
     """
     brokers = [url_to_parts(url.strip()) for url in broker_url.split(";") if url.strip()]
     broker = brokers[0]
@@ -160,20 +178,46 @@ def management_endpoint(
         else None
     )
     if management_url:
-        bases, auth = [], None
+        bases, own = [], []
         for url in (u.strip() for u in management_url.split(";") if u.strip()):
             parts = urllib.parse.urlsplit(url)
-            if auth is None and parts.username:
-                auth = (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+            own.append(
+                (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+                if parts.username
+                else None
+            )
             netloc = parts.hostname or "localhost"
             if parts.port:
                 netloc += f":{parts.port}"
             bases.append(urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")))
-        return ";".join(bases), vhost, auth or broker_auth
-    tls = tls or broker.scheme == "amqps"
-    scheme, port = ("https", 15671) if tls else ("http", 15672)
-    hosts = list(dict.fromkeys(b.hostname or "localhost" for b in brokers))  # failover hosts, once each
-    return ";".join(f"{scheme}://{host}:{port}" for host in hosts), vhost, broker_auth
+    else:
+        tls = tls or broker.scheme == "amqps"
+        scheme, port = ("https", 15671) if tls else ("http", 15672)
+        hosts = list(dict.fromkeys(b.hostname or "localhost" for b in brokers))  # failover hosts, once each
+        bases, own = [f"{scheme}://{host}:{port}" for host in hosts], [None] * len(hosts)
+    auths: list[Auth | None] = []
+    withheld = []
+    for base, mine in zip(bases, own, strict=True):
+        parts = urllib.parse.urlsplit(base)
+        if (
+            mine is None
+            and broker_auth is not None
+            and parts.scheme != "https"
+            and not plain_http
+            and (parts.hostname not in LOOPBACK)
+        ):
+            withheld.append(base)
+            auths.append(None)
+        else:
+            auths.append(mine or broker_auth)
+    problem = None
+    if withheld:
+        problem = (
+            f"the broker's credentials are not sent over plain HTTP to {', '.join(withheld)}: use an https:// "
+            f"prio_management_url, put management credentials in that URL, or set "
+            f"prio_management_plain_http=True to send them anyway"
+        )
+    return ";".join(bases), vhost, tuple(auths), problem
 
 
 def management_client(app: Any, settings: Any) -> ManagementClient:
@@ -181,9 +225,13 @@ def management_client(app: Any, settings: Any) -> ManagementClient:
     url = app.conf.broker_write_url or app.conf.broker_url or "amqp://localhost"
     if isinstance(url, (list, tuple)):
         url = url[0]
-    key = management_endpoint(url, settings.management_url, tls=bool(app.conf.broker_use_ssl))
+    *key, problem = management_endpoint(
+        url, settings.management_url, tls=bool(app.conf.broker_use_ssl), plain_http=settings.management_plain_http
+    )
     with _clients_lock:
-        client = _clients.get(key)
+        client = _clients.get(tuple(key))
         if client is None:
-            client = _clients[key] = ManagementClient(*key)
+            if problem:
+                logger.error("celery-prio: %s", problem)
+            client = _clients[tuple(key)] = ManagementClient(*key)
         return client
