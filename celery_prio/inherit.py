@@ -21,6 +21,7 @@ from typing import Any
 
 from celery import Signature, chord, group
 from celery.canvas import _chain
+from celery.utils.functional import _regen, regen  # _regen: how Celery keeps a lazy header
 
 from .headers import BOOSTED_HEADER
 from .routing import tier_of_call
@@ -56,15 +57,9 @@ def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
         return running
     if isinstance(sig, chord):
         body_tier = lift(settings, sig.body, floor) if sig.body is not None else floor
-        top = body_tier
-        for member in sig.tasks:  # the body waits on every member of the header
-            top = higher(top, lift(settings, member, higher(floor, body_tier)))
-        return top
+        return lift_members(settings, sig, higher(floor, body_tier), body_tier)  # the body waits on every member
     if isinstance(sig, group):
-        top = floor
-        for member in sig.tasks:
-            top = higher(top, lift(settings, member, floor))
-        return top
+        return lift_members(settings, sig, floor, floor)
     if not isinstance(sig, Signature):
         return floor
     tier = own_tier(settings, sig)
@@ -72,6 +67,30 @@ def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
     if lifted is not tier:
         sig.options["tier"] = lifted.label  # the higher of the call's and the waiter's
     return lifted
+
+
+def lift_members(settings: PrioSettings, sig: Any, floor: Tier | None, top: Tier | None) -> Tier | None:
+    """Lift a group's or chord header's members to ``floor``; the most urgent tier among them and ``top``.
+
+    A lazy header (a generator, which Celery keeps as a ``regen``) is never
+    iterated here: Celery unrolls it incrementally as it publishes (celery
+    #3021), so each member is lifted as Celery takes it. Its members' own
+    tiers then do not raise the steps before it in a chain (they are not
+    known yet); the floor still reaches every member.
+    """
+    if isinstance(sig.tasks, _regen):
+        members = sig.tasks
+        sig.tasks = regen(_lifted_as_taken(settings, members, floor))
+        return top
+    for member in sig.tasks:
+        top = higher(top, lift(settings, member, floor))
+    return top
+
+
+def _lifted_as_taken(settings: PrioSettings, members: Any, floor: Tier | None) -> Any:
+    for member in members:
+        lift(settings, member, floor)
+        yield member
 
 
 def _inheriting(sig: Any) -> PrioSettings | None:
@@ -94,9 +113,7 @@ def _wrap(cls: type, name: str) -> None:
             call_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
             body = call_kwargs.get("body") if isinstance(call_kwargs, dict) else None
             if isinstance(self, chord) and body is not None and self.body is None:
-                floor = lift(settings, body, None)
-                for member in self.tasks:
-                    lift(settings, member, floor)
+                lift_members(settings, self, lift(settings, body, None), None)
             else:
                 lift(settings, self, None)
         return original(self, *args, **kwargs)

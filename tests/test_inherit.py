@@ -69,3 +69,34 @@ def test_children_of_a_running_task_default_to_its_tier(redis_env, inherit):
     ran = queues(env)
     assert tier_of(env, ran["parent"]) == "offline"
     assert tier_of(env, ran["parent-child"]) == ("offline" if inherit else "batch")
+
+
+def test_a_chord_header_generator_is_unrolled_as_celery_publishes_it_and_each_member_is_lifted(redis_env):
+    """Celery publishes a generator header incrementally (celery #3021): inheritance must not unroll it
+    first. The generator looks, as it yields each member, at how many members are already on the broker:
+    the same as with inheritance off (Celery's own order), and members are lifted as they are taken."""
+    env = redis_env
+    batch, offline = env.queue(Tier.BATCH), env.queue(Tier.OFFLINE)
+
+    def publish(tag: str) -> tuple[list[int], object]:
+        where = env.app.tasks["t.where"]
+        seen = []
+
+        def header():
+            for i in range(4):
+                seen.append(env.adapter.depth(batch) + env.adapter.depth(offline))
+                yield where.si(tag=f"{tag}{i}").set(tier="offline")  # lifted to the body's tier as it is taken
+
+        return seen, chord(header(), where.s(tag=f"{tag}-body").set(tier="batch")).apply_async()
+
+    env.configure(inherit=False)
+    plain, _ = publish("p")
+    env.adapter.delete_queues([batch, offline])
+    env.configure(inherit=True)
+    seen, result = publish("g")
+    assert seen == plain and seen[-1] >= 1, (seen, plain)  # incremental, as Celery does it
+    assert env.adapter.depth(batch) == 4 and env.adapter.depth(offline) == 0  # every member lifted to batch
+    env.start_worker(concurrency=2)
+    assert result.get(timeout=30) == "g-body"
+    ran = queues(env)
+    assert [tier_of(env, ran[f"g{i}"]) for i in range(4)] == ["batch"] * 4
