@@ -175,3 +175,45 @@ def test_a_redis_restart_under_acks_late_load_keeps_the_worker_up_and_completes_
 
 def ended(env) -> set[str]:
     return {x["tag"] for x in env.log() if x["kind"] == "end" and x["tag"].startswith("load-")}
+
+
+def test_an_ack_that_fails_while_redis_is_down_is_settled_after_the_reconnect_not_run_again(tmp_path):
+    """A task ends while Redis is down: its ack fails. The message is done, so the ack must neither raise
+    into the worker nor leave the entry to come back: after the reconnect its unacked entry and owner go,
+    and nothing is returned to the queue (it would run a second time)."""
+    from celery_prio.brokers.redis import RedisFetchSource
+    from celery_prio.brokers.redis_transport import UNSETTLED
+    from celery_prio.served import ServedQueues
+    from celery_prio.settings import settings_for
+    from celery_prio.tiers import TIERS
+    from celery_prio.tools.workers import free_port
+    from tests.conftest import PrioEnv
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server binary to run a private Redis")
+    port = free_port()
+    server = _redis_server(port, tmp_path / "redis")
+    env = PrioEnv("redis", tmp_path, broker=f"redis://127.0.0.1:{port}/0")
+    try:
+        env.app.tasks["t.batch_late"].apply_async(("once", 0.0))
+        settings = settings_for(env.app)
+        conn = env.app.connection_for_write()
+        channel = conn.default_channel
+        served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
+        source = RedisFetchSource(env.app, channel, served, settings, "acker@h#1")
+        _, message = source.fetch([env.queue(Tier.BATCH)], [Tier.BATCH])
+        client = redis.Redis(port=port)
+        assert client.hlen(settings.owners_key) == 1
+        server.kill()
+        server.wait(10)
+        message.ack()  # Redis is down: no exception into the worker, the settle is remembered
+        assert message.delivery_tag in UNSETTLED
+        server = _redis_server(port, tmp_path / "redis")
+        assert source.recover_own(held=set()) == 0  # what follows a reconnect: nothing to return
+        assert client.hlen(settings.owners_key) == 0 and client.hlen(f"{settings.queue_prefix}.unacked") == 0
+        assert client.llen(env.queue(Tier.BATCH)) == 0 and not UNSETTLED
+        conn.release()
+    finally:
+        env.close()
+        server.kill()
+        server.wait(10)

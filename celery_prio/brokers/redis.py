@@ -29,7 +29,7 @@ from .redis_scripts import (
     SWEEP_DEAD_OWNERS,
     TRIM_DEAD,
 )
-from .redis_transport import drain_rate, registered_subqueues
+from .redis_transport import UNSETTLED, drain_rate, registered_subqueues
 
 logger = logging.getLogger(__name__)
 
@@ -433,6 +433,7 @@ class RedisFetchSource(FetchSource):
         restore at close failed (Redis was down). A live owner's messages are never swept, so they would
         stay unacked for good; they go back through kombu's restore now (marked redelivered)."""
         client, mine, returned = self.channel.client, self.worker_name + "|", 0
+        self._settle_unsettled()
         for tag, owner in client.hscan_iter(self.settings.owners_key, count=SWEEP_BATCH):
             tag = _text(tag)
             if _text(owner).startswith(mine) and tag not in held:
@@ -441,6 +442,19 @@ class RedisFetchSource(FetchSource):
         if returned:
             logger.warning("celery-prio: returned %d message(s) fetched before the reconnect to their queues", returned)
         return returned
+
+    def _settle_unsettled(self) -> None:
+        """Acks and rejects that failed while Redis was unreachable: done, so forgotten now, not returned."""
+        if not UNSETTLED:
+            return
+        client, settled = self.channel.client, set(UNSETTLED)
+        pipe = client.pipeline()
+        for tag in settled:
+            pipe.hdel(self.channel.unacked_key, tag).zrem(self.channel.unacked_index_key, tag)
+            pipe.hdel(self.settings.owners_key, tag)
+        pipe.execute()
+        UNSETTLED.difference_update(settled)
+        logger.info("celery-prio: settled %d message(s) whose ack failed while Redis was unreachable", len(settled))
 
     def fleet_serving(self) -> dict[Tier, int] | None:
         try:
@@ -485,6 +499,7 @@ class RedisFetchSource(FetchSource):
             limits += [tier.label, seconds]
         returned = 0
         try:
+            self._settle_unsettled()  # an ack that failed without a reconnect (a timeout) is settled here
             for _ in range(SWEEP_CHUNKS_PER_PASS):  # chunk by chunk: Redis serves others in between
                 reply = self._sweep(
                     keys=[settings.owners_key, settings.heartbeats_key, *sweep_keys(settings)],

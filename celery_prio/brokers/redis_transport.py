@@ -28,6 +28,12 @@ from .redis_scripts import BULK_PUSH, GUARDED_PUSH
 logger = logging.getLogger(__name__)
 
 
+#: Delivery tags this process settled (acked, or rejected without requeue) while Redis was unreachable:
+#: the message is done, but its unacked entry and owner record are still in Redis. Settled on the new
+#: connection after the reconnect (``RedisFetchSource.recover_own``), so it is never returned and run again.
+UNSETTLED: set[str] = set()
+
+
 class QoS(kombu_redis.QoS):
     """kombu's Redis ack emulation, aware of message owners (prompt recovery, ``RedisFetchSource``).
 
@@ -43,6 +49,28 @@ class QoS(kombu_redis.QoS):
         # Read once, while the channel has its connection: an ack or reject after the connection died
         # (a Redis restart) still finds it, where reading it then raised AttributeError and killed the worker.
         self._owners_key = self.channel.connection.client.transport_options.get("prio_owners_key")
+
+    def ack(self, delivery_tag):
+        try:
+            self._remove_from_indices(delivery_tag).execute()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self._settle_later(delivery_tag, "ack", exc)
+        kombu_redis.virtual.QoS.ack(self, delivery_tag)  # this process's own bookkeeping, either way
+
+    def reject(self, delivery_tag, requeue=False):
+        if requeue:  # a failed requeue leaves it unacked and owned: the reconnect's recovery requeues it
+            return super().reject(delivery_tag, requeue=True)
+        try:
+            self._remove_from_indices(delivery_tag).execute()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self._settle_later(delivery_tag, "reject", exc)
+        kombu_redis.virtual.QoS.ack(self, delivery_tag)
+
+    @staticmethod
+    def _settle_later(delivery_tag: Any, what: str, exc: Exception) -> None:
+        tag = delivery_tag.decode() if isinstance(delivery_tag, bytes) else str(delivery_tag)
+        UNSETTLED.add(tag)
+        logger.warning("celery-prio: %s of %s failed (%r); it is settled after the reconnect", what, tag, exc)
 
     def _remove_from_indices(self, delivery_tag, pipe=None):
         pipe = super()._remove_from_indices(delivery_tag, pipe)
