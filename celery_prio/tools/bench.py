@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from ..brokers import adapter_for
+from ..settings import load_settings
 from ..tiers import Tier
 from .benchapp import NATIVE_PRIORITY, make_app
 from .workers import WorkerProcess, free_port
@@ -1011,7 +1012,9 @@ def bench_recovery(broker: str, logdir: Path, limit: float = 75.0, out=print) ->
         setups["plain Celery, visibility_timeout 5 s"] = ("fifo", {"transport_options": {"visibility_timeout": 5}})
         fastest = {"visibility_timeout": 5, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
         setups["plain Celery, visibility_timeout 5 s, sweep every 1 s"] = ("fifo", {"transport_options": fastest})
-    setups["celery-prio (prio_redeliver_after 5/30/60 s)" if kind == "redis" else "celery-prio"] = ("prio", {})
+    bounds = "/".join(f"{v:g}" for v in load_settings({}).redeliver_after.values())
+    prio_name = f"celery-prio (prio_redeliver_after {bounds} s)" if kind == "redis" else "celery-prio"
+    setups[prio_name] = ("prio", {})
     results = {name: run_recovery(mode, broker, logdir, limit, **options) for name, (mode, options) in setups.items()}
     show = lambda v: f"{v:.1f} s" if v is not None else f"not within {limit:.0f} s"  # noqa: E731
     out(f"\n== {kind}: a worker SIGKILLed with an acks_late task per tier in flight, another started at once:")
@@ -1019,13 +1022,25 @@ def bench_recovery(broker: str, logdir: Path, limit: float = 75.0, out=print) ->
         out(f"  {name}: back after " + " / ".join(f"{tier} {show(v)}" for tier, v in back.items()))
     if kind == "redis":
         plain = results["plain Celery, visibility_timeout 5 s, sweep every 1 s"]["realtime"]
-        prio = results["celery-prio (prio_redeliver_after 5/30/60 s)"]["realtime"]
+        prio = results[prio_name]["realtime"]
         if plain and prio:
             out(
                 f"  realtime back: celery-prio / plain Celery tuned to 5 s = {prio / plain:.2f} (and plain Celery "
                 "then runs any task longer than 5 s twice; celery-prio never re-runs a live worker's task)"
             )
     return results
+
+
+def bench_chaos(logdir: Path, duration: float = 60.0, out=print) -> dict[str, Any]:
+    """Workers SIGKILLed and restarted in place, and the broker restarted, under a mixed load, with the
+    default bounds (``celery_prio.tools.chaos``; Redis: the run restarts a private redis-server)."""
+    from .chaos import run_chaos
+
+    out(f"\n== redis: chaos for {duration:.0f} s (3 workers, default prio_redeliver_after):")
+    defaults = {"redeliver_after": {t.label: v for t, v in load_settings({}).redeliver_after.items()}}
+    result = run_chaos(logdir / "chaos", duration=duration, settings=defaults, out=out)
+    out("  every accepted task completed, none ran twice unexplained, nothing left" if result.ok else "  FAILED")
+    return {**asdict(result), "accepted": dict(result.accepted), "ok": result.ok}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1044,10 +1059,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("defaults", "mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery"),
+        choices=("defaults", "mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery", "chaos"),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
-        "priority inheritance or recovery after a worker dies",
+        "priority inheritance, recovery after a worker dies, or chaos (kills and a broker restart; not in a full run)",
     )
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -1085,6 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["redis"]["boost_cost_s"] = bench_boost_cost()
             if args.only in (None, "recovery"):
                 results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
+            if args.only == "chaos" and kind == "redis":
+                results[kind]["chaos"] = bench_chaos(Path(tmp), args.duration * 4)
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(w), "results": results}, indent=2))
     return 0

@@ -1,0 +1,74 @@
+"""The Celery app the chaos run starts workers of (``celery_prio.tools.chaos``).
+
+Every task records what happened to it (``kind tag worker time``) in a Redis
+list outside the broker, so the record survives the broker's restart and the
+run can tell "completed once" from "run twice after its worker was killed".
+Configured from the environment: CHAOS_BROKER, CHAOS_BACKEND, CHAOS_RECORD,
+CHAOS_PREFIX and CHAOS_SETTINGS (JSON of ``install()`` settings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_prio
+
+
+def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: dict[str, Any]) -> Celery:
+    app = Celery(f"chaos-{prefix}", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        task_acks_late=True,  # every accepted task completes even when its worker is killed mid-run
+        result_expires=3600,
+    )
+    celery_prio.install(app, queue_prefix=prefix, **settings)
+    recorder = redis.Redis.from_url(record_url)
+    key = f"{prefix}:chaos"
+
+    def record(kind: str, tag: str, request: Any) -> None:
+        recorder.rpush(key, json.dumps({"kind": kind, "tag": tag, "worker": request.hostname, "t": time.time()}))
+
+    @app.task(shared=False, name="chaos.work", bind=True)
+    def work(self, tag: str, seconds: float) -> str:
+        record("start", tag, self.request)
+        time.sleep(seconds)
+        record("end", tag, self.request)
+        return tag
+
+    @app.task(shared=False, name="chaos.sliced", bind=True, tier="batch")
+    def sliced(self, tag: str, n: int, seconds: float, start: int = 0, done: list | None = None) -> list[int]:
+        done = [] if done is None else done
+        if start == 0:
+            record("start", tag, self.request)
+        for i in celery_prio.slices(self, range(start, n), resume="start", carry={"done": done}):
+            time.sleep(seconds)
+            done.append(i)
+        record("end", tag, self.request)
+        return done
+
+    return app
+
+
+def _from_env() -> Celery:
+    return make_app(
+        os.environ["CHAOS_BROKER"],
+        os.environ["CHAOS_BACKEND"],
+        os.environ["CHAOS_RECORD"],
+        os.environ["CHAOS_PREFIX"],
+        json.loads(os.environ.get("CHAOS_SETTINGS") or "{}"),
+    )
+
+
+def __getattr__(name: str) -> Celery:
+    if name == "app":  # ``celery -A celery_prio.tools.chaosapp worker``
+        globals()["app"] = built = _from_env()
+        return built
+    raise AttributeError(name)
