@@ -39,18 +39,30 @@ def collect_prio_stats(app: Any, timeout: float = 1.0, limit: int | None = None)
     args=[("task_id", str), ("generation", int), ("retract", bool)],
     signature="<task_id> <generation> [retract]",
 )
-def prio_supersede(state: Any, task_id: str, generation: int, retract: bool = False) -> dict[str, Any]:
+def prio_supersede(
+    state: Any,
+    task_id: str,
+    generation: int,
+    retract: bool = False,
+    commit: bool = False,
+    pending_for: float | None = None,
+) -> dict[str, Any]:
     """celery-prio boost (RabbitMQ): copies of ``task_id`` below ``generation`` are stale; say if held here.
 
     Runs on the worker's event loop, like its fetches: either this worker
     holds the task now (it answers ``held``, records nothing), or any copy it
-    fetches from now on is checked against the record.
+    fetches from now on is checked against the record: pending (for at most
+    ``pending_for`` s) until the booster ``commit``s, once its copy is on the broker.
     """
     prefix = getattr(getattr(state.app, "_celery_prio_settings", None), "queue_prefix", None)
     if retract:
         superseded.retract(task_id, generation)
         return {"prefix": prefix, "retracted": True}
+    if commit:
+        superseded.commit(task_id, generation, time.time())
+        return {"prefix": prefix, "committed": True}
     held = any(r.id == task_id for r in (*worker_state.reserved_requests, *worker_state.scheduled_requests))
     if not held:
-        superseded.record(task_id, generation, time.time())
+        pending = float(pending_for) if isinstance(pending_for, (int, float)) and pending_for > 0 else None
+        superseded.record(task_id, generation, time.time(), pending_for=pending)
     return {"prefix": prefix, "held": held}

@@ -64,6 +64,8 @@ DEFAULTS: dict[str, Any] = {
     # original, and how many recently published batch/offline tasks a process remembers (what it can boost).
     "boost_timeout": 1.0,
     "boost_memory": 10_000,
+    # ... and the key its journal records are signed with (None: derived from the broker URL and the prefix).
+    "boost_key": None,
     # ... and at most this many bytes of their messages (a batch of 4,096 images is big; oldest forgotten first).
     "boost_memory_bytes": 64 * 1024 * 1024,
     # Dead letters kept at most (the oldest beyond it are dropped and counted); None: no cap.
@@ -159,6 +161,12 @@ def _optional_positive_whole(name: str, value: Any) -> int | None:
     return value
 
 
+def _optional_secret(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) < 16):
+        raise ConfigError(f"prio_{name} must be a string of at least 16 characters or None")  # value not shown
+    return value
+
+
 def _optional_path(name: str, value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"prio_{name} must be a file path or None, got {value!r}")
@@ -222,6 +230,7 @@ class PrioSettings:
     inherit: bool
     boost_timeout: float
     boost_memory: int
+    boost_key: str | None
     boost_memory_bytes: int
     dead_letter_max: int | None
     prune_after: float
@@ -532,6 +541,7 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
         inherit=_flag("inherit", raw["inherit"]),
         boost_timeout=_number("boost_timeout", raw["boost_timeout"], minimum=0, inclusive=False),
         boost_memory=_whole("boost_memory", raw["boost_memory"]),
+        boost_key=_optional_secret("boost_key", raw["boost_key"]),
         boost_memory_bytes=_whole("boost_memory_bytes", raw["boost_memory_bytes"]),
         dead_letter_max=_optional_positive_whole("dead_letter_max", raw["dead_letter_max"]),
         prune_after=_number("prune_after", raw["prune_after"], minimum=60),

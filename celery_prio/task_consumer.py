@@ -28,7 +28,7 @@ from .served import ServedQueues
 from .settings import PrioSettings
 from .slice_board import board
 from .stats import WorkerStats
-from .superseded import generation_of, superseded
+from .superseded import PENDING_FOR, RUN, STALE, generation_of, superseded
 from .tiers import TIERS, Tier
 from .unserved import UNSERVED_CHECK_INTERVAL, EveryMinute, UnservedTracker, app_queues
 from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
@@ -148,7 +148,7 @@ class TierFetcher:
         if self.loop.active:
             return
         # Before the first fetch: boosts from now on wait for this worker's answer, earlier ones are read here.
-        superseded.merge(self.source.join_fleet(), time.time())
+        superseded.merge(self.source.join_fleet(), time.time(), pending_for=PENDING_FOR)
         global _CONNECTIONS
         _CONNECTIONS += 1
         if _CONNECTIONS > 1:  # a reconnect: what was fetched on the connection that died and is not held
@@ -287,11 +287,17 @@ class TierFetcher:
             message.ack()
             return
         headers = message.headers or {}
-        if superseded.is_stale(headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER))):
+        verdict = superseded.verdict(
+            headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER)), time.time()
+        )
+        if verdict == STALE:
             # A RabbitMQ boost published a lifted copy of this task: this is the original, left behind.
             superseded.skipped += 1
             logger.info("celery-prio: %s[%s] was boosted: stale copy acked unrun", headers.get("task"), headers["id"])
             message.ack()
+            return
+        if verdict != RUN:  # a boost of it is under way: its copy may not be on the broker yet; ask again
+            self.hub.call_later(float(verdict), lambda: self._deliver(tier, message))
             return
         now = time.time()
         if BOOSTED_HEADER in headers:

@@ -62,10 +62,28 @@ def test_superseded_records_say_which_copies_are_stale():
     s.record("late", 1, now=200)
     assert [row[0] for row in s.snapshot(now=200)] == ["late"]  # older than keep_for: expired
     fresh = Superseded()
-    junk = [["ok", 2, 199.0], "x", ["bad", "gen", 1.0], ["future", 1, 1e12], [3, 1, 1.0], ["ok2", 1, True]]
+    junk = [["ok", 2, 199.0], "x", ["bad", "gen", 1.0], [3, 1, 1.0], ["ok2", 1, True], ["old", 1, -1e9]]
     assert fresh.merge(junk, now=200) == 1 and fresh.is_stale("ok", 1) and len(fresh) == 1
+    # A booster whose clock is far ahead is not ignored: the journal's age is the broker's business.
+    assert fresh.merge([["future", 1, 1e12], ["journal", 1, None]], now=200) == 2 and fresh.is_stale("future", 0)
     assert generation_of({"gen": 2}) == 2
     assert generation_of(None) == generation_of({"gen": True}) == generation_of({"gen": -1}) == 0
+
+
+def test_a_pending_boost_holds_the_original_until_its_commit_or_its_deadline():
+    from celery_prio.superseded import RUN, STALE
+
+    s = Superseded()
+    s.record("a", 1, now=0, pending_for=5)
+    assert s.verdict("a", 0, now=1) == 4  # the copy may not be on the broker yet: ask again in 4 s
+    assert s.verdict("a", 1, now=1) == RUN  # the copy itself runs
+    s.commit("a", 1, now=2)
+    assert s.verdict("a", 0, now=2) == STALE
+    s.record("b", 1, now=0, pending_for=5)
+    assert s.verdict("b", 0, now=5) == RUN and len(s) == 1  # no commit in time: the booster died, it runs
+    s.commit("c", 2, now=0)  # a commit heard without its prepare (a worker that started in between)
+    assert s.verdict("c", 1, now=0) == STALE
+    assert [r[0] for r in s.snapshot(now=3)] == ["a", "c"]  # peers get committed records only
 
 
 def test_waited_on_walks_groups_chords_and_chains(redis_env):
@@ -204,6 +222,72 @@ def test_rabbitmq_a_worker_that_starts_after_a_boost_skips_the_stale_original(am
     time.sleep(0.5)
     assert runs(env, "target") == 1
     assert stale_skipped(env) == 1
+
+
+def test_rabbitmq_a_booster_that_dies_before_publishing_its_copy_loses_nothing(amqp_env):
+    """The broadcast went out (workers were told 'pending') and the booster died before the copy's publish:
+    the original is held for the commit that never comes, then runs."""
+    from celery_prio.superseded import PENDING_FOR
+
+    env = amqp_env
+    start_worker(env, concurrency=1)
+    target = env.app.tasks["t.sleep"].apply_async(("orphan", 0.05), tier="offline")
+    env.app.control.broadcast(
+        "prio_supersede", arguments={"task_id": target.id, "generation": 1, "pending_for": PENDING_FOR}, reply=True
+    )
+    assert target.get(timeout=PENDING_FOR + 10) == "orphan"
+    assert runs(env, "orphan") == 1 and stale_skipped(env) == 0
+
+
+def test_rabbitmq_a_forged_journal_record_is_ignored(amqp_env):
+    """Anyone on the vhost can append to the journal: a record not signed with the app's key does nothing."""
+    import amqp as pyamqp
+
+    from celery_prio.brokers.amqp_boost import declare_journal, journal_name
+    from celery_prio.settings import settings_for
+
+    env = amqp_env
+    settings = settings_for(env.app)
+    target = env.app.tasks["t.sleep"].apply_async(("forged", 0.05), tier="offline")
+    with env.app.connection_for_write() as conn:
+        channel = conn.default_channel
+        declare_journal(channel, settings)
+        for sig in (None, "0" * 64):
+            headers = {"id": target.id, "gen": 10**6, "phase": "commit", "at": time.time()}
+            if sig:
+                headers["sig"] = sig
+            channel.basic_publish(
+                pyamqp.Message(b"", application_headers=headers), exchange="", routing_key=journal_name(settings)
+            )
+    worker = start_worker(env, concurrency=1)
+    assert target.get(timeout=15) == "forged"  # not skipped as stale
+    assert "ignored 2 boost record(s) not signed" in worker.log()
+
+
+def test_a_long_stream_is_read_to_its_end_whatever_its_length(amqp_env):
+    """The timeout bounds the wait for the next record, not the whole read (5,000 records take longer
+    than the 0.3 s given here; before, a journal past ~100k records was read only in part)."""
+    import amqp as pyamqp
+
+    from celery_prio.brokers.amqp_registry import read_to_marker
+
+    env = amqp_env
+    name = f"{env.prefix}.longstream"
+    declare = lambda ch: ch.queue_declare(  # noqa: E731
+        queue=name, durable=True, auto_delete=False, arguments={"x-queue-type": "stream"}
+    )
+    with env.app.connection_for_write() as conn:
+        channel = conn.default_channel
+        declare(channel)
+        for i in range(5_000):
+            channel.basic_publish(pyamqp.Message(b"", application_headers={"n": i}), exchange="", routing_key=name)
+        seen = []
+        started = time.monotonic()
+        read_to_marker(conn.connection, name, declare, lambda h: seen.append(h["n"]), timeout=0.3)
+        took = time.monotonic() - started
+        conn.default_channel.queue_delete(name)
+    assert seen == list(range(5_000)), len(seen)
+    print(f"read 5,000 records in {took:.2f} s")
 
 
 def test_rabbitmq_a_boost_with_no_worker_up_is_refused_and_nothing_changes(amqp_env):

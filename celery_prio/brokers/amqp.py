@@ -597,7 +597,7 @@ class AmqpFetchSource(FetchSource):
         return serving_counts(self.channel.connection, self.settings)
 
     def join_fleet(self) -> list[list[Any]]:
-        from .amqp_boost import join_fleet, read_journal
+        from .amqp_boost import join_fleet, journal_key, read_journal
 
         # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
         self._restart_follower()
@@ -615,7 +615,7 @@ class AmqpFetchSource(FetchSource):
         try:
             with self.app.connection_for_write() as conn:
                 conn.ensure_connection(max_retries=3)
-                records = read_journal(conn.connection, self.settings)
+                records = read_journal(conn.connection, self.settings, journal_key(self.app, self.settings))
         except Exception:
             # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown here.
             logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")

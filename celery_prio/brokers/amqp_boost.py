@@ -8,20 +8,28 @@ original cannot be moved. Instead:
    batch or offline): **on RabbitMQ a task is boosted from the process that
    published it** (the HTTP front door, the orchestrating process, the task
    that spawned it). Elsewhere ``boost`` answers ``not_found``.
-2. The boost is written to the journal ``<prefix>.boosts`` (a stream, kept
-   24 h) with a publisher confirm.
+2. The boost is *prepared* in the journal ``<prefix>.boosts`` (a stream,
+   kept 24 h by the broker's clock) with a publisher confirm. Records are
+   signed (HMAC-SHA256 under ``prio_boost_key``, by default a key derived
+   from the app's broker URL and prefix): a record anyone else wrote to the
+   stream is ignored.
 3. Every live worker must answer ``prio_supersede`` (a broadcast with
-   replies): each records "copies of this id below generation n are stale",
-   or answers that it holds the task now (then nothing is published and the
-   record is withdrawn, in the journal too). Live workers are counted
-   exactly: each consumes from ``<prefix>.fleet`` while its connection is up,
-   so the queue's consumer count is the fleet. A worker answers on the event
-   loop that also runs its fetches, so its answer is exact. If fewer answer
-   than are counted within ``prio_boost_timeout``, nothing is published
-   (``refused``).
+   replies): each records "copies of this id below generation n are stale"
+   as *pending*, or answers that it holds the task now (then nothing is
+   published and the record is withdrawn, in the journal too). Live workers
+   are counted exactly: each consumes from ``<prefix>.fleet`` while its
+   connection is up, so the queue's consumer count is the fleet, and the
+   answers are matched to distinct workers (one per node name). A worker
+   answers on the event loop that also runs its fetches, so its answer is
+   exact. If fewer answer than are counted within ``prio_boost_timeout``,
+   nothing is published (``refused``).
 4. The copy (same id, generation n, the original enqueue stamp) goes to the
-   tier's front lane; a worker that fetches the stale original acks it
-   unrun (``superseded.py``).
+   tier's front lane, confirmed; only then is the boost *committed* (journal,
+   then broadcast) and a worker that fetches the stale original acks it
+   unrun (``superseded.py``). A worker that fetches the original while the
+   boost is only pending waits for the commit, at most ``PENDING_FOR``
+   seconds, then runs it: a booster that dies between the broadcast and the
+   copy's publish never loses the task (it may run twice).
 
 A worker that starts later joins the fleet before it fetches anything, then
 reads the journal up to a marker it appends itself: a boost written before
@@ -32,6 +40,10 @@ worker, within the journal's 24 h.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -42,16 +54,34 @@ import amqp
 
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ..settings import PrioSettings
+from ..superseded import PENDING_FOR
 from ..tiers import Tier
 from .amqp_registry import passive_declares, read_to_marker
 from .base import Boost
 from .continuations import _aging_expiration
 from .redis_boost import boost_lane
 
+logger = logging.getLogger(__name__)
+
 #: How long the journal keeps a boost (a stale original fetched later than this would run).
 JOURNAL_MAX_AGE = "24h"
-#: Seconds a starting worker waits for its own marker while reading the journal.
+#: Seconds a starting worker waits for the journal's next record (it reads to the end, however long).
 JOURNAL_READ_TIMEOUT = 10.0
+
+
+def journal_key(app: Any, settings: PrioSettings) -> bytes:
+    """The key boost records are signed with: ``prio_boost_key``, else one derived from the app's broker
+    URL (credentials and vhost included) and queue prefix, so another app on the vhost cannot forge one."""
+    if settings.boost_key:
+        return settings.boost_key.encode()
+    url = app.conf.broker_write_url or app.conf.broker_url or ""
+    if isinstance(url, (list, tuple)):
+        url = ";".join(url)
+    return hashlib.sha256(f"celery-prio boosts\0{url}\0{settings.queue_prefix}".encode()).digest()
+
+
+def _signature(key: bytes, task_id: str, generation: int, phase: str) -> str:
+    return hmac.new(key, json.dumps([task_id, generation, phase]).encode(), hashlib.sha256).hexdigest()
 
 
 def journal_name(settings: PrioSettings) -> str:
@@ -171,15 +201,16 @@ class AmqpBooster:
         if published is None:
             return None
         lane = boost_lane(settings, tier)
+        key = journal_key(app, settings)
         with self._lock, app.connection_for_write() as conn:
             if published.tier <= tier:
                 return Boost("already", task_id, tier, published.tier, detail="published or boosted at this tier")
             generation = published.generation + 1
             channel = conn.channel()
-            write_journal(channel, settings, task_id, generation)
+            write_journal(channel, settings, key, task_id, generation, "prepare")
             answers = self._ask_fleet(app, channel, settings, task_id, generation)
             if answers is None or any(a.get("held") for a in answers):
-                self._withdraw(app, channel, settings, task_id, generation)
+                self._withdraw(app, channel, settings, key, task_id, generation)
                 if answers is None:
                     detail = "no worker is up, or not every worker answered within prio_boost_timeout"
                     return Boost("refused", task_id, tier, published.tier, detail=detail)
@@ -203,8 +234,13 @@ class AmqpBooster:
                         **properties,
                     )
             except Exception:
-                self._withdraw(app, channel, settings, task_id, generation)
+                self._withdraw(app, channel, settings, key, task_id, generation)
                 raise
+            # The copy is on the broker: now, and only now, the original is stale for good.
+            write_journal(channel, settings, key, task_id, generation, "commit")
+            app.control.broadcast(
+                "prio_supersede", arguments={"task_id": task_id, "generation": generation, "commit": True}
+            )
             from_tier = published.tier
             published.tier, published.generation = tier, generation
             return Boost("boosted", task_id, tier, from_tier, published.queue)
@@ -216,31 +252,31 @@ class AmqpBooster:
         expected = fleet_size(channel, settings)
         if expected == 0:
             return None  # nobody to skip the original: the first worker to start would run both copies
-        answers: list[dict] = []
+        answers: dict[str, dict] = {}  # one per worker: a node answering twice is one answer
 
         def on_reply(reply: Any) -> None:
-            for answer in reply.values() if isinstance(reply, dict) else ():
+            for node, answer in reply.items() if isinstance(reply, dict) else ():
                 # Every Celery worker on the vhost hears the broadcast; only this app's prio workers count.
                 if isinstance(answer, dict) and answer.get("prefix") == settings.queue_prefix:
-                    answers.append(answer)
+                    answers[str(node)] = answer
             if len(answers) >= expected:
                 raise _AllAnswered
 
         try:
             app.control.broadcast(
                 "prio_supersede",
-                arguments={"task_id": task_id, "generation": generation},
+                arguments={"task_id": task_id, "generation": generation, "pending_for": PENDING_FOR},
                 reply=True,
                 timeout=settings.boost_timeout,
                 callback=on_reply,
             )
         except _AllAnswered:
             pass
-        return answers if len(answers) >= expected else None
+        return list(answers.values()) if len(answers) >= expected else None
 
     @staticmethod
-    def _withdraw(app: Any, channel: Any, settings: PrioSettings, task_id: str, generation: int) -> None:
-        write_journal(channel, settings, task_id, generation, withdrawn=True)
+    def _withdraw(app: Any, channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int) -> None:
+        write_journal(channel, settings, key, task_id, generation, "withdrawn")
         app.control.broadcast(
             "prio_supersede", arguments={"task_id": task_id, "generation": generation, "retract": True}
         )
@@ -255,10 +291,20 @@ def declare_journal(channel: Any, settings: PrioSettings) -> None:
     )
 
 
-def write_journal(channel: Any, settings: PrioSettings, task_id: str, generation: int, withdrawn: bool = False) -> None:
-    """Append one boost (or its withdrawal) to the journal, confirmed by the broker before returning."""
+#: A boost's records in the journal, in order: prepared, then committed or withdrawn.
+PHASES = ("prepare", "commit", "withdrawn")
+
+
+def write_journal(channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int, phase: str) -> None:
+    """Append one signed boost record to the journal, confirmed by the broker before returning."""
     declare_journal(channel, settings)
-    record = {"id": task_id, "gen": generation, "at": time.time(), "withdrawn": withdrawn}
+    record = {
+        "id": task_id,
+        "gen": generation,
+        "phase": phase,
+        "at": time.time(),  # for people reading the stream; expiry goes by the broker's clock (x-max-age)
+        "sig": _signature(key, task_id, generation, phase),
+    }
     channel.basic_publish_confirm(
         amqp.Message(b"", application_headers=record, delivery_mode=2), exchange="", routing_key=journal_name(settings)
     )
@@ -280,24 +326,37 @@ def join_fleet(channel: Any, settings: PrioSettings) -> None:
     channel.basic_consume(queue=fleet_name(settings), no_ack=True, callback=lambda message: None)
 
 
-def read_journal(connection: Any, settings: PrioSettings) -> list[list[Any]]:
-    """Every boost in the journal, as ``Superseded.merge`` takes them (withdrawals applied).
+def read_journal(connection: Any, settings: PrioSettings, key: bytes) -> list[list[Any]]:
+    """Every boost in the journal, as ``Superseded.merge`` takes them: ``[id, gen, None]`` when committed,
+    ``[id, gen, None, "pending"]`` when prepared and not (yet) committed; withdrawals applied.
 
-    Reads up to a marker appended here, so nothing written before the call is
-    missed. ``connection`` is a py-amqp connection of its own (this drains its events).
+    Reads to a marker appended here, however long the journal, so nothing
+    written before the call is missed. Only records signed with ``key`` count.
+    ``connection`` is a py-amqp connection of its own (this drains its events).
     """
     records: OrderedDict[str, list[Any]] = OrderedDict()
+    forged = 0
 
     def on_record(headers: dict) -> None:
-        task_id, gen = headers.get("id"), headers.get("gen")
-        if not isinstance(task_id, str) or not isinstance(gen, int):
+        nonlocal forged
+        task_id, gen, phase, sig = headers.get("id"), headers.get("gen"), headers.get("phase"), headers.get("sig")
+        if not isinstance(task_id, str) or not isinstance(gen, int) or phase not in PHASES:
             return  # not a boost record: anyone can publish here
-        if headers.get("withdrawn"):
-            if records.get(task_id, [None, None])[1] == gen:
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, _signature(key, task_id, gen, phase)):
+            forged += 1
+            return
+        known = records.get(task_id)
+        if phase == "withdrawn":
+            if known is not None and known[1] == gen:
                 del records[task_id]
-        else:
-            records[task_id] = [task_id, gen, headers.get("at")]
+        elif phase == "prepare":
+            if known is None or known[1] < gen:
+                records[task_id] = [task_id, gen, None, "pending"]
+        elif known is None or known[1] <= gen:  # commit
+            records[task_id] = [task_id, gen, None]
 
     declare = lambda channel: declare_journal(channel, settings)  # noqa: E731
     read_to_marker(connection, journal_name(settings), declare, on_record, JOURNAL_READ_TIMEOUT)
+    if forged:
+        logger.warning("celery-prio: ignored %d boost record(s) not signed with this app's key", forged)
     return list(records.values())

@@ -132,7 +132,8 @@ def read_to_marker(
     connection: Any, queue: str, declare: Callable[[Any], None], on_record: Callable[[dict], None], timeout: float
 ) -> None:
     """Call ``on_record(headers)`` for every record of the stream ``queue``, up to a marker appended here,
-    so nothing written before the call is missed. ``connection``: a py-amqp connection of its own (this
+    so nothing written before the call is missed. ``timeout`` bounds the wait for the *next* record, not
+    the whole read: a long stream is read to its end. ``connection``: a py-amqp connection of its own (this
     drains its events); ``declare(channel)`` declares the stream."""
     channel = connection.channel()
     try:
@@ -142,8 +143,11 @@ def read_to_marker(
             amqp.Message(b"", application_headers={"marker": marker}), exchange="", routing_key=queue
         )
         done: list[bool] = []
+        deadline = time.monotonic() + timeout
 
         def on_message(message: Any) -> None:
+            nonlocal deadline
+            deadline = time.monotonic() + timeout  # progress: however long the stream, read on to the marker
             channel.basic_ack(message.delivery_tag)
             headers = message.headers or {}
             if headers.get("marker") == marker:
@@ -153,11 +157,10 @@ def read_to_marker(
 
         channel.basic_qos(0, FOLLOW_PREFETCH, False)
         channel.basic_consume(queue, callback=on_message, arguments={"x-stream-offset": "first"})
-        deadline = time.monotonic() + timeout
         while not done:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"celery-prio: could not read {queue} to its end")
+                raise TimeoutError(f"celery-prio: no record of {queue} for {timeout:g} s before its end")
             connection.drain_events(timeout=left)
     finally:
         if channel.is_open:
