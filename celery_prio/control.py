@@ -26,9 +26,13 @@ def prio_stats(state: Any) -> dict[str, Any]:
     return info()
 
 
-def collect_prio_stats(app: Any, timeout: float = 1.0, limit: int | None = None) -> dict[str, Any]:
-    """``{worker: prio_stats}`` from every worker that answers within ``timeout``."""
-    replies = app.control.broadcast("prio_stats", reply=True, timeout=timeout, limit=limit) or []
+def collect_prio_stats(
+    app: Any, timeout: float = 1.0, limit: int | None = None, destination: list[str] | None = None
+) -> dict[str, Any]:
+    """``{worker: prio_stats}`` from every worker (or those named in ``destination``) answering within ``timeout``."""
+    replies = (
+        app.control.broadcast("prio_stats", reply=True, timeout=timeout, limit=limit, destination=destination) or []
+    )
     merged: dict[str, Any] = {}
     for reply in replies:
         merged.update(reply)
