@@ -247,7 +247,20 @@ def _json(value) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
-elements = st.one_of(st.binary(max_size=40), json_values.map(_json), envelopes.map(_json))
+def _deep(depth: int) -> bytes:
+    """A kombu envelope carrying a field nested ``depth`` levels: Redis' cjson reads up to 1,000, Python ~996."""
+    return message(1.0, None, deep="__DEEP__").replace(b'"__DEEP__"', b"[" * depth + b"]" * depth)
+
+
+#: Rare big elements (a few hundred KB): a 600 KB envelope, 600 KB of garbage.
+huge = st.sampled_from([message(1.0, None, pad="x" * 600_000), b"\xff" * 600_000])
+elements = st.one_of(
+    st.binary(max_size=40),
+    json_values.map(_json),
+    envelopes.map(_json),
+    st.integers(min_value=985, max_value=1_000).map(_deep),  # deep nesting, either side of Python's limit
+    huge,
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
