@@ -72,3 +72,13 @@ def test_a_fetch_dead_letters_a_bounded_number_of_bytes_of_garbage_per_call(redi
     assert hit is not None and hit[1].headers["id"] == "good"
     hit[1].ack()
     assert client.llen(s.dead_letter_queue) == 5
+
+
+def test_an_aging_look_reads_a_bounded_number_of_bytes_and_still_promotes_everything_due(redis_parts):
+    env, s, adapter, _ = redis_parts
+    client = adapter.client
+    queue = env.queue(B)
+    client.lpush(queue, *[message(1.0, f"big{i}", pad="x" * 1_000_000) for i in range(20)])  # 1 MB each, aged
+    assert adapter.promote_aged(s, B, time.time()) == 20  # all due, promoted in one pass ...
+    assert adapter._aging_window[queue] == 4  # ... four at a time: about SCRIPT_BYTES (4 MB) a look
+    assert ids_in(client, env.queue(Tier.REALTIME) + ".promoted") == [f"big{i}" for i in range(20)]

@@ -25,6 +25,7 @@ from .redis_scripts import (
     FETCH,
     HEARTBEAT,
     PROMOTE,
+    SCRIPT_BYTES,
     STAMP,
     SWEEP_DEAD_OWNERS,
     TRIM_DEAD,
@@ -63,6 +64,7 @@ class RedisAdapter(Broker):
         self._dead_head = self.client.register_script(DEAD_HEAD)
         # Per source list: how deep the stamping look has reached beyond the head window.
         self._stamp_cursor: dict[str, int] = {}
+        self._aging_window: dict[str, int] = {}  # per list: elements an aging look reads (bounded by bytes)
 
     def depth(self, queue: str) -> int:
         return int(self.client.llen(queue))
@@ -160,8 +162,10 @@ class RedisAdapter(Broker):
         promoted = upper + PROMOTED_SUFFIX
         cap = settings.max_length[tier.promoted()]
         moved = dead = 0
+        batch = self._window_for(source, batch)
         for _ in range(10_000):  # bounded: a pass ends even if producers outpace it
             oldest_first = self.client.lrange(source, -batch, -1)[::-1]
+            self._learn_window(source, oldest_first, AGING_WINDOW)
             plan = plan_promotions(oldest_first, tier, promoted, threshold, now)
             if plan.dead_heads:
                 args: list[Any] = [tier.label, now]
@@ -191,6 +195,20 @@ class RedisAdapter(Broker):
                 break  # another ager got there first, the upper tier is full, or the due run ended
         return moved
 
+    def _window_for(self, source: str, most: int) -> int:
+        """Elements one aging look at ``source`` reads: ``most``, fewer where its messages are big, so a
+        look (and the promote call carrying originals and copies) stays near ``SCRIPT_BYTES``. The first
+        look at a list is sized by its oldest element."""
+        window = self._aging_window.get(source)
+        if window is None:
+            head = self.client.lindex(source, -1)
+            window = _fitting(len(head) if head else 1, most)
+        return min(window, most)
+
+    def _learn_window(self, source: str, elements: list[bytes], most: int) -> None:
+        if elements:
+            self._aging_window[source] = _fitting(sum(len(e) for e in elements) / len(elements), most)
+
     def _stamp_all(self, source: str, stamps: list[tuple[int, bytes, str]]) -> None:
         args: list[Any] = []
         for index, original, stamped in stamps:
@@ -217,6 +235,11 @@ class RedisAdapter(Broker):
     def close(self) -> None:
         if self.connection is not None:
             self.connection.release()
+
+
+def _fitting(element_bytes: float, most: int) -> int:
+    """How many elements of about ``element_bytes`` fit in ``SCRIPT_BYTES`` (1 to ``most``)."""
+    return max(1, min(most, int(SCRIPT_BYTES // max(element_bytes, 1.0))))
 
 
 def describe_dead_entry(raw: bytes) -> dict[str, Any]:
