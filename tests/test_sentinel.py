@@ -65,6 +65,8 @@ def sentinels(tmp_path_factory):
         _wait(lambda: all(_up(p) for p in (MASTER, REPLICA, *SENTINELS)), 20, "the Redis processes")
         master = redis.Redis(port=MASTER)
         _wait(lambda: master.info("replication")["connected_slaves"] == 1, 20, "the replica to attach")
+        # Attached is not in sync: WAIT (prio_wait_replicas) counts a replica only once its first sync is done.
+        _wait(lambda: master.info("replication").get("slave0", {}).get("state") == "online", 30, "the replica's sync")
         probe = redis.Redis(port=SENTINELS[0])
         _wait(lambda: len(probe.execute_command("SENTINEL", "SENTINELS", GROUP)) == 2, 30, "sentinels to meet")
         # Sentinels learn replicas from the master's INFO every few seconds: a failover needs one they know.
