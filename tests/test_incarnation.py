@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 import uuid
 
@@ -22,6 +21,7 @@ import redis
 from celery_prio.headers import DEAD_REASON
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
+from celery_prio.tools.chaos import redis_server
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -110,47 +110,21 @@ def test_a_sweep_goes_past_a_message_too_deep_for_python(redis_env):
     assert len(reasons) == 1 and "too deeply nested" in reasons[0], reasons
 
 
-def _redis_server(port: int, directory) -> subprocess.Popen:
-    directory.mkdir(exist_ok=True)
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--dir",
-            str(directory),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if redis.Redis(port=port).ping():
-                return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on {port}")
-
-
-def test_a_redis_restart_under_acks_late_load_keeps_the_worker_up_and_completes_every_task(tmp_path):
-    """Redis SIGKILLed and restarted from its AOF mid-load: the worker reconnects, every accepted task runs."""
+def private_redis(tmp_path):
+    """``(port, server)``: a redis-server of the test's own (AOF, fsync always), to SIGKILL and restart."""
     from celery_prio.tools.workers import free_port
-    from tests.conftest import PrioEnv
 
     if shutil.which("redis-server") is None:
         pytest.skip("no redis-server binary to run a private Redis")
     port = free_port()
-    server = _redis_server(port, tmp_path / "redis")
+    return port, redis_server(port, tmp_path / "redis")
+
+
+def test_a_redis_restart_under_acks_late_load_keeps_the_worker_up_and_completes_every_task(tmp_path):
+    """Redis SIGKILLed and restarted from its AOF mid-load: the worker reconnects, every accepted task runs."""
+    from tests.conftest import PrioEnv
+
+    port, server = private_redis(tmp_path)
     env = PrioEnv("redis", tmp_path, broker=f"redis://127.0.0.1:{port}/0")
     try:
         env.configure(redeliver_after={"batch": 3})
@@ -163,7 +137,7 @@ def test_a_redis_restart_under_acks_late_load_keeps_the_worker_up_and_completes_
         server.kill()  # SIGKILL
         server.wait(10)
         time.sleep(1.0)
-        server = _redis_server(port, tmp_path / "redis")
+        server = redis_server(port, tmp_path / "redis")
         env.wait_for(lambda: len(ended(env)) == n, timeout=90, what=f"all {n} tasks to complete")
         assert worker.proc.poll() is None, "the worker died across the Redis restart"
         assert "Unrecoverable error" not in worker.log()
@@ -186,13 +160,9 @@ def test_an_ack_that_fails_while_redis_is_down_is_settled_after_the_reconnect_no
     from celery_prio.served import ServedQueues
     from celery_prio.settings import settings_for
     from celery_prio.tiers import TIERS
-    from celery_prio.tools.workers import free_port
     from tests.conftest import PrioEnv
 
-    if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server binary to run a private Redis")
-    port = free_port()
-    server = _redis_server(port, tmp_path / "redis")
+    port, server = private_redis(tmp_path)
     env = PrioEnv("redis", tmp_path, broker=f"redis://127.0.0.1:{port}/0")
     try:
         env.app.tasks["t.batch_late"].apply_async(("once", 0.0))
@@ -208,7 +178,7 @@ def test_an_ack_that_fails_while_redis_is_down_is_settled_after_the_reconnect_no
         server.wait(10)
         message.ack()  # Redis is down: no exception into the worker, the settle is remembered
         assert message.delivery_tag in UNSETTLED
-        server = _redis_server(port, tmp_path / "redis")
+        server = redis_server(port, tmp_path / "redis")
         assert source.recover_own(held=set()) == 0  # what follows a reconnect: nothing to return
         assert client.hlen(settings.owners_key) == 0 and client.hlen(f"{settings.queue_prefix}.unacked") == 0
         assert client.llen(env.queue(Tier.BATCH)) == 0 and not UNSETTLED

@@ -74,7 +74,8 @@ class ChaosResult:
         ]
 
 
-def _redis_server(port: int, directory: Path) -> subprocess.Popen:
+def redis_server(port: int, directory: Path) -> subprocess.Popen:
+    """A private redis-server on ``port`` with an append-only file (fsync always) in ``directory``, up."""
     directory.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [
@@ -161,7 +162,7 @@ def run_chaos(
     port = free_port()
     broker_url = f"redis://127.0.0.1:{port}/0"
     settings = {"redeliver_after": FAST_BOUNDS, "aging": {"offline": 2}, **(settings or {})}
-    server = _redis_server(port, workdir / "broker")
+    server = redis_server(port, workdir / "broker")
     recorder = redis.Redis.from_url(record_url)
     env = {
         **os.environ,
@@ -190,7 +191,7 @@ def run_chaos(
                     server.wait(10)
                     restarts.append(time.time())
                     time.sleep(1.0)
-                    server = _redis_server(port, workdir / "broker")
+                    server = redis_server(port, workdir / "broker")
                 restarted = True
                 result.broker_restarts += 1
 
