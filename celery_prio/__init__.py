@@ -10,9 +10,9 @@ or ``task.apply_async(..., tier="batch")``.
 from __future__ import annotations
 
 from .boost import Boost, boost, wait
-from .bulk import BulkQueueFull, BulkResult, bulk
 from .errors import ConfigError, QueueFull
 from .install import install
+from .producer.bulk import BulkQueueFull, BulkResult, bulk
 from .settings import settings_for
 from .slices import slices
 from .tiers import TIERS, Tier, parse_tier

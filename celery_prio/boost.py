@@ -30,8 +30,8 @@ from celery.utils.log import get_logger
 
 from .brokers.base import BOOST_OUTCOMES, Boost
 from .settings import settings_for
-from .slice_board import board
 from .tiers import Tier, parse_tier
+from .worker.slice_board import board
 
 logger = get_logger(__name__)
 
@@ -180,7 +180,7 @@ def _inside_task() -> bool:
 
 
 def _running_task_tier(app: Any) -> Tier | None:
-    from .inherit import parent_tier
+    from .producer.inherit import parent_tier
 
     settings = getattr(app, "_celery_prio_settings", None)
     if settings is None:

@@ -8,20 +8,20 @@ from typing import Any
 
 from celery import Celery, signals
 
-from . import control  # noqa: F401 - registers `celery inspect prio_stats` and `prio_supersede`
-from .admission import guard_send_task
 from .brokers.publishing import publishing_for
-from .canvas import route_groups_through_bulk
 from .errors import ConfigError
-from .inherit import lift_canvases
-from .routing import make_router, register_tier_queues, stamp_enqueue_time
+from .producer.admission import guard_send_task
+from .producer.canvas import route_groups_through_bulk
+from .producer.inherit import lift_canvases
+from .producer.routing import make_router, register_tier_queues, stamp_enqueue_time
 from .settings import DEFAULTS, PrioSettings, load_settings
-from .slice_board import board
 from .tiers import parse_tier
+from .worker import control  # noqa: F401 - registers `celery inspect prio_stats` and `prio_supersede`
+from .worker.slice_board import board
 
 logger = logging.getLogger(__name__)
 
-CONSUMER_PATH = "celery_prio.consumer:PrioConsumer"
+CONSUMER_PATH = "celery_prio.worker.consumer:PrioConsumer"
 
 
 def _mask_in_inspect_conf(word: str) -> None:

@@ -40,8 +40,8 @@ from celery.utils.log import get_task_logger
 from .brokers.continuations import Continuation
 from .headers import ENQUEUED_HEADER, PROMOTED_HEADER, SLICE_HEADER
 from .settings import settings_for
-from .slice_board import board
 from .tiers import Tier
+from .worker.slice_board import board
 
 logger = get_task_logger(__name__)
 

@@ -260,7 +260,7 @@ __all__ = ["PrioEnv", "load_settings", "need_broker"]
 def redis_parts(redis_env):
     """Real Redis in this process: ``(env, settings, adapter, fetch source)`` (aging on, so stamps are read)."""
     from celery_prio.brokers.redis import RedisAdapter, RedisFetchSource
-    from celery_prio.served import ServedQueues
+    from celery_prio.policy.served import ServedQueues
     from celery_prio.settings import settings_for
     from celery_prio.tiers import TIERS
 

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from celery_prio.aging import plan_promotions
 from celery_prio.headers import ENQUEUED_HEADER, PROMOTED_HEADER
+from celery_prio.policy.aging import plan_promotions
 from celery_prio.tiers import Tier
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE

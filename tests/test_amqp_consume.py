@@ -17,7 +17,7 @@ import pytest
 
 from celery_prio.brokers.amqp_consume import AmqpConsumeSource
 from celery_prio.errors import ConfigError
-from celery_prio.served import ServedQueues
+from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings, settings_for
 from celery_prio.tiers import TIERS, Tier
 from tests import test_worker
@@ -281,7 +281,7 @@ def test_a_busy_worker_gives_back_what_another_worker_can_run(amqp_push_env):
 def test_a_busy_worker_reports_what_it_holds(amqp_push_env):
     """With a long hold_max the next task stays in hand (reported) until the slot frees: the give-back is what
     lets the idle worker of the test above run it."""
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     env = amqp_push_env
     busy_worker_and_next(env, hold_max=30, long_seconds=3.0)

@@ -18,9 +18,9 @@ from celery.result import AsyncResult, GroupResult
 import celery_prio
 from celery_prio.boost import waited_on
 from celery_prio.brokers.amqp import FLEET_JOINED
-from celery_prio.control import collect_prio_stats
-from celery_prio.superseded import Superseded, generation_of
+from celery_prio.policy.superseded import Superseded, generation_of
 from celery_prio.tiers import Tier
+from celery_prio.worker.control import collect_prio_stats
 from tests.test_inherit import queues, tier_of
 
 
@@ -71,7 +71,7 @@ def test_superseded_records_say_which_copies_are_stale():
 
 
 def test_a_pending_boost_holds_the_original_until_its_commit_or_its_deadline():
-    from celery_prio.superseded import RUN, STALE
+    from celery_prio.policy.superseded import RUN, STALE
 
     s = Superseded()
     s.record("a", 1, now=0, pending_for=5)
@@ -230,7 +230,7 @@ def test_rabbitmq_a_worker_that_starts_after_a_boost_skips_the_stale_original(am
 def test_rabbitmq_a_booster_that_dies_before_publishing_its_copy_loses_nothing(amqp_env):
     """The broadcast went out (workers were told 'pending') and the booster died before the copy's publish:
     the original is held for the commit that never comes, then runs."""
-    from celery_prio.superseded import PENDING_FOR
+    from celery_prio.policy.superseded import PENDING_FOR
 
     env = amqp_env
     start_worker(env, concurrency=1)

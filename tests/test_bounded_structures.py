@@ -10,9 +10,9 @@ import time
 
 from celery_prio.brokers.amqp_boost import RecentPublishes, approx_size
 from celery_prio.brokers.redis_pruning import mention, prune, seen_key
-from celery_prio.control import collect_prio_stats
 from celery_prio.settings import load_settings, settings_for
 from celery_prio.tiers import Tier
+from celery_prio.worker.control import collect_prio_stats
 
 
 def test_the_dead_letters_stay_under_their_cap_and_what_went_is_counted(env):

@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from celery_prio.demand import fleet_estimate, slots_needed
-from celery_prio.fleet import cluster_status
+from celery_prio.ops.fleet import cluster_status
+from celery_prio.policy.demand import fleet_estimate, slots_needed
 from celery_prio.settings import load_settings
 from celery_prio.tools.workers import free_port
 from tests.conftest import ROOT

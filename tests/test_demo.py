@@ -21,7 +21,7 @@ def test_short_demo_runs_end_to_end_and_reports(tmp_path):
         [
             sys.executable,
             "-m",
-            "celery_prio.cli",
+            "celery_prio.ops.cli",
             "demo",
             "--duration",
             "5",

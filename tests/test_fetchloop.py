@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from celery_prio.brokers.memory import Malformed, MemoryFetchSource
-from celery_prio.fetchloop import FetchLoop
-from celery_prio.ledger import Ledger
-from celery_prio.scheduler import TierScheduler
-from celery_prio.served import ServedQueues
+from celery_prio.ops.simulate import SimLoop
+from celery_prio.policy.scheduler import TierScheduler
+from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings
-from celery_prio.simulate import SimLoop
-from celery_prio.stats import WorkerStats
 from celery_prio.tiers import TIERS, Tier
+from celery_prio.worker.fetchloop import FetchLoop
+from celery_prio.worker.ledger import Ledger
+from celery_prio.worker.stats import WorkerStats
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
 

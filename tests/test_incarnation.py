@@ -157,7 +157,7 @@ def test_an_ack_that_fails_while_redis_is_down_is_settled_after_the_reconnect_no
     and nothing is returned to the queue (it would run a second time)."""
     from celery_prio.brokers.redis import RedisFetchSource
     from celery_prio.brokers.redis_transport import UNSETTLED
-    from celery_prio.served import ServedQueues
+    from celery_prio.policy.served import ServedQueues
     from celery_prio.settings import settings_for
     from celery_prio.tiers import TIERS
     from tests.conftest import PrioEnv

@@ -336,7 +336,7 @@ def test_sliced_example_tasks_match_unsliced_runs(tmp_path):
         unsliced = predict.evaluate()
         got = report.get(timeout=5)
         assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in unsliced.items() if k != "seconds"}
-        from celery_prio.control import collect_prio_stats
+        from celery_prio.worker.control import collect_prio_stats
 
         (stats,) = collect_prio_stats(app, timeout=3, limit=1).values()
         assert stats["tiers"]["batch"]["yields"] + stats["tiers"]["offline"]["yields"] >= 1, stats

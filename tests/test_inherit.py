@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from celery import chain, chord
 
-from celery_prio.inherit import lift
+from celery_prio.producer.inherit import lift
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
 

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from celery_prio.fleet_metrics import FLEET_METRICS
+from celery_prio.ops.fleet_metrics import FLEET_METRICS
 from celery_prio.settings import load_settings
 from celery_prio.tiers import TIERS, Tier
 

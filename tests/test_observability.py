@@ -39,7 +39,7 @@ def fill(env):
 def test_inspect_prio_stats_and_prio_status_match_the_broker(env):
     env.start_worker(concurrency=2)
     fill(env)
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     stats = collect_prio_stats(env.app, timeout=3, limit=1)
     (reply,) = stats.values()
@@ -149,7 +149,7 @@ def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
 
 def test_garbage_at_a_tier_head_or_in_the_dead_letters_breaks_no_report(redis_env):
     """A JSON list at a tier's head used to make prio_stats fail and /metrics answer 500."""
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     env = redis_env
     port = free_port()

@@ -37,13 +37,13 @@ def test_the_wheel_installs_only_celery_prio(wheel):
     assert "celery_prio/tools/demo.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "celery-prio = celery_prio.cli:main" in text and "prio = celery_prio.celery_command:prio" in text
+    assert "celery-prio = celery_prio.ops.cli:main" in text and "prio = celery_prio.ops.celery_command:prio" in text
 
 
 def test_the_library_never_imports_the_example_the_tools_or_torch():
     code = (
-        "import sys, celery_prio, celery_prio.consumer, celery_prio.celery_command, celery_prio.metrics, "
-        "celery_prio.cli; "
+        "import sys, celery_prio, celery_prio.worker.consumer, celery_prio.ops.celery_command, "
+        "celery_prio.worker.metrics, celery_prio.ops.cli; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
         "or m.startswith(('celery_prio.example', 'celery_prio.tools'))); "
         "print(bad); sys.exit(1 if bad else 0)"
@@ -65,7 +65,7 @@ def test_the_library_never_imports_the_example_the_tools_or_torch():
 )
 def test_a_missing_extra_is_named_instead_of_a_traceback(hide, argv, message):
     run = (
-        f"from celery_prio.cli import main; sys.exit(main({argv}))"
+        f"from celery_prio.ops.cli import main; sys.exit(main({argv}))"
         if argv
         else "import runpy; runpy.run_module('celery_prio.example.train', run_name='__main__')"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_prio.scheduler import TierScheduler
+from celery_prio.policy.scheduler import TierScheduler
 from celery_prio.tiers import Tier
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 
-from celery_prio.slice_board import SliceBoard
 from celery_prio.tiers import Tier
+from celery_prio.worker.slice_board import SliceBoard
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
 

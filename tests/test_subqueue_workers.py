@@ -52,7 +52,7 @@ def test_a_queue_nobody_serves_is_reported(stock_env):
     env.wait_for(
         lambda: "no live worker serves their tier" in env.workers[0].log(), timeout=30, what="the worker's log line"
     )
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     rows = next(iter(collect_prio_stats(env.app, timeout=2.0).values()))["unserved"]
     assert rows[sjf]["depth"] == 3 and rows[sjf]["seconds"] >= 3.0, rows

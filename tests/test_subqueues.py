@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from celery_prio.errors import ConfigError
+from celery_prio.policy.queue_shares import QueueShares
 from celery_prio.settings import load_settings
-from celery_prio.subqueues import QueueShares
 from celery_prio.tiers import Tier
 
 

@@ -157,7 +157,7 @@ def test_inspect_stats_show_per_tier_dispatch_counts(env):
     tiers = ["realtime", "p0", "batch", 1, "offline"]
     results = [t["t.sleep"].apply_async((f"s{i}", 0.0), tier=tier) for i, tier in enumerate(tiers)]
     [r.get(timeout=10) for r in results]
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     (report,) = collect_prio_stats(env.app, timeout=2, limit=1).values()
     prio = report["tiers"]
@@ -199,7 +199,7 @@ def test_bad_messages_are_rejected_and_the_worker_keeps_serving(env):
 
 
 def test_idle_worker_makes_bounded_broker_calls(env):
-    from celery_prio.control import collect_prio_stats
+    from celery_prio.worker.control import collect_prio_stats
 
     env.start_worker(concurrency=2)
 

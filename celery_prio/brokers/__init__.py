@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..served import ServedQueues
+from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from .amqp import AmqpAdapter, AmqpFetchSource
 from .base import Broker, BrokerFigures, FetchSource, Job, Take

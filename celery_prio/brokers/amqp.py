@@ -27,7 +27,7 @@ from kombu import Exchange, Queue
 
 from ..errors import QueueFull
 from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER, PROMOTED_SUFFIX
-from ..served import ServedQueues
+from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import death_records

@@ -53,8 +53,8 @@ from typing import Any
 import amqp
 
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
+from ..policy.superseded import PENDING_FOR
 from ..settings import PrioSettings
-from ..superseded import PENDING_FOR
 from ..tiers import Tier
 from .amqp_registry import passive_declares, read_to_marker
 from .base import Boost

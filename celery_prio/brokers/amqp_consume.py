@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..served import ServedQueues
+from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import Tier
 from .amqp import AmqpFetchSource

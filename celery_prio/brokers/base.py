@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..served import ServedQueues
+from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import Tier
 

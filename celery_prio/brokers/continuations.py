@@ -82,7 +82,7 @@ class _ProcessConnection:
             except Exception:  # a listing that fails leaves the last one in use
                 names = self._subqueues[1] if self._subqueues else []
             if settings.sjf:
-                from ..routing import sjf_queues
+                from ..producer.routing import sjf_queues
 
                 names = [*names, *sjf_queues(settings, app.tasks, every_task=self.every_task_sjf)]
             self._subqueues = (now, names)

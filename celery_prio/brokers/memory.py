@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..served import ServedQueues
+from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import Tier
 from .base import FetchSource, Take

@@ -53,7 +53,7 @@ class Publishing:
                     self.introduce_subqueue(app, settings, tier, name)
                     self._introduced_at[name] = time.monotonic()
                 if queue is None:
-                    from ..routing import register_subqueue
+                    from ..producer.routing import register_subqueue
 
                     register_subqueue(name)  # stamped like a tier queue
                     # Published through the default exchange, straight to the queue.
@@ -334,7 +334,7 @@ class AmqpPublishing(Publishing):
         seen = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, MessageNacked):
-                from ..admission import last_route
+                from ..producer.admission import last_route
 
                 depth, rate = refusal_figures(app, settings, tier, getattr(last_route, "queue", None))
                 return QueueFull.from_drain_rate(tier, depth, rate)

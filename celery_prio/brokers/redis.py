@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..aging import plan_promotions
 from ..headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
-from ..served import AGING_TIERS, Candidate, ServedQueues
+from ..policy.aging import plan_promotions
+from ..policy.served import AGING_TIERS, Candidate, ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import decode_problem, decode_redis_element, enqueue_age

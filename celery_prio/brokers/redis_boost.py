@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..aging import readdress
 from ..errors import ConfigError
 from ..headers import BOOSTED_HEADER
+from ..policy.aging import readdress
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .base import Boost

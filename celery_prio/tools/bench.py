@@ -718,7 +718,7 @@ def bench_defaults(broker: str, mixed: Workload, sliced: SliceWorkload, logdir: 
 
 def run_tenants(broker: str, duration: float, logdir: Path, subqueues: bool, flood: int = 20_000) -> dict[str, Any]:
     """Batch tier: tenant A floods it at once, tenant B trickles 2/s. B's queue wait, with or without sub-queues."""
-    from ..bulk import bulk
+    from ..producer.bulk import bulk
 
     run = Run("prio", broker, logdir, 4, max_length={"batch": None})
     try:
@@ -817,7 +817,7 @@ def run_dependency_wait(mode: str, broker: str, backlog: int, seconds: float, lo
     waits on to realtime first (what ``celery_prio.wait`` does). Returns the caller's wait.
     """
     from ..boost import boost
-    from ..bulk import bulk
+    from ..producer.bulk import bulk
 
     run = Run("native" if mode == "native" else "prio", broker, logdir, 4)
     try:
@@ -911,7 +911,7 @@ def bench_bulk(broker: str, plain_n: int, bulk_n: int, logdir: Path, out=print) 
     """Enqueue rate: apply_async in a loop vs celery_prio.bulk, one producer thread, same app; producer memory."""
     import tracemalloc
 
-    from ..bulk import bulk
+    from ..producer.bulk import bulk
 
     kind = _broker_kind(broker)
     run = Run("prio", broker, logdir, 1, max_length={"batch": None})

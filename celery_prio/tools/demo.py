@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QueueFull
-from ..stats import percentile
+from ..worker.stats import percentile
 from .workers import WorkerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout, or site-packages

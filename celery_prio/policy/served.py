@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .settings import PrioSettings
-from .subqueues import QueueShares, QueueState
-from .tiers import TIERS, Tier
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
+from .queue_shares import QueueShares, QueueState
 
 #: Aging moves batch -> realtime and offline -> batch.
 AGING_TIERS = (Tier.BATCH, Tier.OFFLINE)

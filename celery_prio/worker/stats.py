@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-from .tiers import TIERS, Tier
+from ..tiers import TIERS, Tier
 
 WINDOW = 2048  # recent samples kept per tier for percentiles
 #: Histogram bucket bounds (seconds), Prometheus-style, for queue wait and run time.

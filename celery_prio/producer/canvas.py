@@ -22,9 +22,9 @@ from typing import Any
 from celery import Signature, group
 from celery.canvas import _basemap
 
+from ..settings import settings_for
 from .bulk import publish_calls
 from .routing import tier_of_call
-from .settings import settings_for
 
 #: Smaller groups gain little from chunking: they keep Celery's path.
 BULK_GROUP_MIN = 50

@@ -18,20 +18,20 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
 
-from .brokers import BrokerFigures, Job, fetch_source_for
+from ..brokers import BrokerFigures, Job, fetch_source_for
+from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
+from ..policy.scheduler import TierScheduler
+from ..policy.served import ServedQueues
+from ..policy.superseded import PENDING_FOR, RUN, STALE, generation_of, superseded
+from ..producer.routing import sjf_queues
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
+from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 from .fetchloop import FetchLoop
-from .headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
 from .report import WorkerReport, build_report
-from .routing import sjf_queues
-from .scheduler import TierScheduler
-from .served import ServedQueues
-from .settings import PrioSettings
 from .slice_board import board
 from .stats import WorkerStats
-from .superseded import PENDING_FOR, RUN, STALE, generation_of, superseded
-from .tiers import TIERS, Tier
 from .unserved import UNSERVED_CHECK_INTERVAL, EveryMinute, UnservedTracker, app_queues
-from .untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 
 logger = get_logger(__name__)
 

@@ -2,10 +2,10 @@
 
 ``celery -A app prio simulate SPEC`` replays a workload against the app's
 settings and against alternatives, side by side. What runs is the worker's
-own code — :class:`~celery_prio.fetchloop.FetchLoop` (one message per free
-slot, the idle back-off), :class:`~celery_prio.scheduler.TierScheduler` (time
+own code — :class:`~celery_prio.worker.fetchloop.FetchLoop` (one message per free
+slot, the idle back-off), :class:`~celery_prio.policy.scheduler.TierScheduler` (time
 shares, reserve, floor, cold start, preemption of sliced tasks) and
-:class:`~celery_prio.served.ServedQueues` (front lanes) — against the
+:class:`~celery_prio.policy.served.ServedQueues` (front lanes) — against the
 in-memory broker, with a simulated event loop instead of the worker's hub.
 Modelled around it: several workers sharing the queues, Poisson arrivals and
 backlogs, run-time distributions, a per-task dispatch overhead (broker round
@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .brokers.memory import MemoryFetchSource
-from .fetchloop import FetchLoop
-from .scheduler import TierScheduler
-from .served import ServedQueues
-from .settings import PrioSettings
-from .stats import WorkerStats, percentile
-from .tiers import TIERS, Tier, parse_tier
+from ..brokers.memory import MemoryFetchSource
+from ..policy.scheduler import TierScheduler
+from ..policy.served import ServedQueues
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier, parse_tier
+from ..worker.fetchloop import FetchLoop
+from ..worker.stats import WorkerStats, percentile
 
 DISTRIBUTIONS = ("fixed", "exponential", "uniform", "lognormal")
 

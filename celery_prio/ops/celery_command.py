@@ -19,11 +19,11 @@ from pathlib import Path
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
-from .brokers import adapter_for
-from .errors import ConfigError
+from ..brokers import adapter_for
+from ..errors import ConfigError
+from ..settings import settings_for
+from ..worker.report import fmt
 from .fleet import cluster_status
-from .report import fmt
-from .settings import settings_for
 
 
 def _context(ctx):
@@ -124,7 +124,7 @@ def exporter(ctx, port: int, host: str):
 @click.pass_context
 def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool):
     """Replay a workload (spec or recorded trace) through the real scheduler for these settings and others."""
-    from .settings import load_settings
+    from ..settings import load_settings
     from .simulate import load_workload, parse_override
     from .simulate import simulate as run_simulation
 
@@ -173,7 +173,7 @@ def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool)
 @click.pass_context
 def boost(ctx, task_id: str, tier: str):
     """Lift a queued task into a higher tier now (priority inheritance by hand): prints what happened."""
-    from .boost import boost as boost_task
+    from ..boost import boost as boost_task
 
     app = ctx.obj.app
     try:

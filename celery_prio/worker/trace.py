@@ -16,8 +16,8 @@ import os
 import time
 from typing import Any
 
-from .headers import ENQUEUED_HEADER
-from .untrusted import valid_stamp
+from ..headers import ENQUEUED_HEADER
+from ..untrusted import valid_stamp
 
 logger = logging.getLogger(__name__)
 

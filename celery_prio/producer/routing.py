@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..headers import ENQUEUED_HEADER
+from ..settings import PrioSettings, subqueue_name_problem
+from ..tiers import TIERS, Tier, parse_tier
 from .admission import last_route
-from .headers import ENQUEUED_HEADER
-from .settings import PrioSettings, subqueue_name_problem
-from .tiers import TIERS, Tier, parse_tier
 
 # Tier queue names of every installed app in this process; the publish hook
 # stamps only messages bound for them.

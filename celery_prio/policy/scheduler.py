@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .tiers import TIERS, Tier
+from ..tiers import TIERS, Tier
 
 IDLE_SHARE_RULES = ("proportional", "next_below")
 EWMA_ALPHA = 0.2  # weight of the newest run time in a tier's estimate

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .settings import PrioSettings
+from ..settings import PrioSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class FleetCollector:
         self.app, self.settings = app, settings
 
     def status(self) -> dict[str, Any]:
-        from .brokers import adapter_for
+        from ..brokers import adapter_for
         from .fleet import cluster_status
 
         adapter = adapter_for(self.app)
@@ -67,6 +67,6 @@ class FleetCollector:
 
 
 def serve_fleet_metrics(app: Any, settings: PrioSettings, host: str, port: int) -> FleetCollector:
-    from .metrics import serve_collector
+    from ..worker.metrics import serve_collector
 
     return serve_collector(FleetCollector(app, settings), host, port, "prio exporter")

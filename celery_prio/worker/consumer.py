@@ -25,10 +25,10 @@ from celery.worker.consumer.control import Control
 from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 
-from .install import check_task_tiers
+from ..install import check_task_tiers
+from ..settings import settings_for
 from .metrics import serve_metrics
 from .report import readable_rows
-from .settings import settings_for
 from .task_consumer import TierFetcher
 
 logger = get_logger(__name__)
@@ -99,8 +99,8 @@ class PrioConsumer(Consumer):
             "celery.worker.consumer.events:Events",
             "celery.worker.consumer.gossip:Gossip",
             "celery.worker.consumer.heart:Heart",
-            "celery_prio.consumer:PrioControl",
-            "celery_prio.consumer:PrioTasks",
+            "celery_prio.worker.consumer:PrioControl",
+            "celery_prio.worker.consumer:PrioTasks",
             # DelayedDelivery (native delays on quorum queues) is left out:
             # tier queues are classic queues and ETA uses Celery's timer.
             "celery.worker.consumer.consumer:Evloop",

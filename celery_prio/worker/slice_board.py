@@ -34,7 +34,7 @@ import multiprocessing
 import struct
 from collections.abc import Iterable, Mapping
 
-from .tiers import TIERS, Tier
+from ..tiers import TIERS, Tier
 
 # Per tier: asked_at (monotonic seconds), yields (count), preemptors (bit mask of tiers),
 # waiting (its tasks blocked in celery_prio.wait on other tasks).

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .brokers.base import BrokerFigures
-from .scheduler import TierScheduler
-from .served import ServedQueues
+from ..brokers.base import BrokerFigures
+from ..policy.scheduler import TierScheduler
+from ..policy.served import ServedQueues
+from ..tiers import TIERS, Tier
 from .stats import WorkerStats, percentile
-from .tiers import TIERS, Tier
 from .unserved import Unserved
 
 

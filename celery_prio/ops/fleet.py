@@ -8,12 +8,12 @@ summed or weighted over the workers that answer ``inspect prio_stats``.
 
 from __future__ import annotations
 
-from .control import collect_prio_stats
-from .demand import fleet_estimate, slots_needed
-from .report import WorkerReport
-from .scheduler import configured_shares
-from .tiers import TIERS
-from .unserved import app_queues, unserved_now
+from ..policy.demand import fleet_estimate, slots_needed
+from ..policy.scheduler import configured_shares
+from ..tiers import TIERS
+from ..worker.control import collect_prio_stats
+from ..worker.report import WorkerReport
+from ..worker.unserved import app_queues, unserved_now
 
 
 def cluster_status(app, settings, adapter) -> dict:

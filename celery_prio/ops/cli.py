@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .extras import require
+from ..extras import require
 
 #: command -> (module, extra it needs or None)
 COMMANDS = {"demo": ("celery_prio.tools.demo", "demo"), "bench": ("celery_prio.tools.bench", None)}

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .settings import PrioSettings
-from .tiers import TIERS, Tier
+from ..settings import PrioSettings
+from ..tiers import TIERS, Tier
 
 #: Seconds a queue must hold messages with nobody serving its tier before it is reported
 #: (a worker restarting, or a new sub-queue being found, is not an outage).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Container, Hashable
 from dataclasses import dataclass
 
-from .tiers import Tier
+from ..tiers import Tier
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from celery import Signature, chord, group
 from celery.canvas import _chain
 from celery.utils.functional import _regen, regen  # _regen: how Celery keeps a lazy header
 
-from .headers import BOOSTED_HEADER
+from ..headers import BOOSTED_HEADER
+from ..settings import PrioSettings, settings_for
+from ..tiers import Tier
 from .routing import tier_of_call
-from .settings import PrioSettings, settings_for
-from .tiers import Tier
 
 
 def higher(a: Tier | None, b: Tier | None) -> Tier | None:

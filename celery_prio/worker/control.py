@@ -13,7 +13,7 @@ from typing import Any
 from celery.worker import state as worker_state
 from celery.worker.control import control_command, inspect_command
 
-from .superseded import superseded
+from ..policy.superseded import superseded
 
 
 @inspect_command()

@@ -24,7 +24,7 @@ class PrioCollector:
         self._adapter = None
 
     def _depths(self) -> dict[str, int]:
-        from .brokers import adapter_for
+        from ..brokers import adapter_for
 
         settings = self.fetcher.settings
         try:
@@ -140,7 +140,7 @@ class PrioCollector:
 
 
 def _tiers():
-    from .tiers import TIERS
+    from ..tiers import TIERS
 
     return [(t.label, t) for t in TIERS]
 

@@ -12,11 +12,11 @@ import logging
 from collections.abc import Callable, Container, Hashable
 from typing import Any, Protocol
 
-from .brokers.base import FetchSource
+from ..brokers.base import FetchSource
+from ..policy.scheduler import TierScheduler
+from ..tiers import Tier
 from .ledger import Ledger
-from .scheduler import TierScheduler
 from .stats import WorkerStats
-from .tiers import Tier
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from kombu.exceptions import OperationalError
 
-from .brokers.publishing import Publishing
-from .settings import PrioSettings
+from ..brokers.publishing import Publishing
+from ..settings import PrioSettings
 
 #: The tier the router picked for the publish in flight on this thread.
 last_route = threading.local()

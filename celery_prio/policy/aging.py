@@ -32,9 +32,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .headers import ENQUEUED_HEADER, PROMOTED_HEADER
-from .tiers import Tier
-from .untrusted import decode_redis_element, valid_stamp
+from ..headers import ENQUEUED_HEADER, PROMOTED_HEADER
+from ..tiers import Tier
+from ..untrusted import decode_redis_element, valid_stamp
 
 
 @dataclass

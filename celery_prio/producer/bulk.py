@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .errors import QueueFull
-from .headers import ENQUEUED_HEADER
-from .settings import settings_for, subqueue_name_problem
-from .tiers import parse_tier
+from ..errors import QueueFull
+from ..headers import ENQUEUED_HEADER
+from ..settings import settings_for, subqueue_name_problem
+from ..tiers import parse_tier
 
 #: The apply_async options bulk understands; each applies to every item.
 OPTIONS = ("kwargs", "expires", "time_limit", "soft_time_limit", "ignore_result", "countdown", "eta")
