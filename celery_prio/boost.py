@@ -8,8 +8,8 @@ into the front lane of ``tier`` (served before the tier's own queue), keeping
 its id and original enqueue stamp. It is idempotent and harmless for a task
 that already started, finished or is unknown: the returned :class:`Boost`
 says what happened. How each broker does it, and what it guarantees:
-``brokers/redis_boost.py`` (an atomic move, from any process) and
-``brokers/amqp_boost.py`` (a lifted copy, from the publishing process; the
+``brokers/redis/boost.py`` (an atomic move, from any process) and
+``brokers/amqp/boost.py`` (a lifted copy, from the publishing process; the
 stale original is skipped by every worker).
 
 ``wait`` boosts everything a result still waits on (the task, a group's
@@ -67,7 +67,7 @@ def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
     state = _state(app, task_id)
     if state in ("SUCCESS", "FAILURE", "REVOKED"):
         return Boost("finished", task_id, tier, detail=state)
-    outcome = publishing.boost(app, settings, task_id, tier)
+    outcome = publishing.booster.lift(app, settings, task_id, tier)
     if outcome is not None:
         return outcome
     state = _state(app, task_id)  # it may have left its queue and run while the boost looked

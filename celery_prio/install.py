@@ -8,14 +8,14 @@ from typing import Any
 
 from celery import Celery, signals
 
-from .brokers.publishing import publishing_for
+from .brokers import publisher_for
 from .errors import ConfigError
+from .policy.routes import check_task_tiers
 from .producer.admission import guard_send_task
 from .producer.canvas import route_groups_through_bulk
 from .producer.inherit import lift_canvases
 from .producer.routing import make_router, register_tier_queues, stamp_enqueue_time
 from .settings import DEFAULTS, PrioSettings, load_settings
-from .tiers import parse_tier
 from .worker import control  # noqa: F401 - registers `celery inspect prio_stats` and `prio_supersede`
 from .worker.slice_board import board
 
@@ -49,7 +49,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
 
     # Queues: keep the user's, add the three tiers (so a plain
     # ``celery -A app worker`` consumes them and tools can list them).
-    publishing = app._celery_prio_publishing = publishing_for(app)
+    publishing = app._celery_prio_publishing = publisher_for(app)
     publishing.check(settings)
     existing = list(app.conf.task_queues or [])
     names = {q.name for q in existing}
@@ -90,24 +90,13 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     return settings
 
 
-def check_task_tiers(app: Celery) -> None:
-    """Every task's ``tier`` attribute must name a tier: checked at worker start (``ConfigError``)."""
-    for name, task in app.tasks.items():
-        tier = getattr(task, "tier", None)
-        if tier is not None:
-            try:
-                parse_tier(tier)
-            except ValueError as exc:
-                raise ConfigError(f"task {name!r}: {exc}") from None
-
-
 def _log_task_tier_errors(sender: Celery, **_: Any) -> None:
     # Celery's signal dispatcher swallows exceptions; this only says it early.
     # The worker refuses to start in check_task_tiers.
     try:
-        check_task_tiers(sender)
+        check_task_tiers(sender.tasks)
     except ConfigError as exc:
         logger.error("celery-prio: %s", exc)
 
 
-__all__ = ["DEFAULTS", "check_task_tiers", "install"]
+__all__ = ["DEFAULTS", "install"]

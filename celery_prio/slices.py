@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
-from .brokers.continuations import Continuation
+from .brokers.base import Continuation
 from .headers import ENQUEUED_HEADER, PROMOTED_HEADER, SLICE_HEADER
 from .settings import settings_for
 from .tiers import Tier
@@ -115,7 +115,7 @@ class _SliceRun:
         generation = marker.get("gen", 0) if isinstance(marker, dict) else 0
         generation = generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
         if _is_redelivered(request) or generation:
-            committed = app._celery_prio_publishing.committed_continuations(app, settings, request.id)
+            committed = app._celery_prio_publishing.continuations.committed(app, settings, request.id)
             if committed > generation:
                 logger.info(
                     "celery-prio: %s[%s] generation %d was already continued (%d): stale copy acked unrun",
@@ -142,7 +142,7 @@ class _SliceRun:
         app = self.task.app
         for tier in preemptors:  # highest first
             try:
-                waiting = app._celery_prio_publishing.waiting_in_tier(app, settings_for(app), tier)
+                waiting = app._celery_prio_publishing.continuations.waiting(app, settings_for(app), tier)
             except Exception:  # the broker is unreachable now: running on is always safe
                 logger.debug("celery-prio: could not ask the broker whether %s waits", tier.label, exc_info=True)
                 return False
@@ -172,7 +172,7 @@ class _SliceRun:
 
         publishing = app._celery_prio_publishing
         try:
-            publishing.publish_continuation(
+            publishing.continuations.publish(
                 app, settings, Continuation(request.id, generation, send, self.tier, self.enqueued_at)
             )
         except Exception:
@@ -191,7 +191,7 @@ class _SliceRun:
         app = self.task.app
         try:
             return (
-                app._celery_prio_publishing.committed_continuations(app, settings_for(app), self.request.id)
+                app._celery_prio_publishing.continuations.committed(app, settings_for(app), self.request.id)
                 >= generation
             )
         except Exception:

@@ -53,7 +53,7 @@ def redis_envelope_problem(payload: Any) -> str | None:
     Mirrors what ``kombu.transport.virtual.Message`` needs, so that building
     the message cannot raise. (The fetch script checks the same first.)
     """
-    # Same checks, same words as the fetch script (brokers/redis_scripts.FETCH).
+    # Same checks, same words as the fetch script (brokers/redis/lua/fetch.lua).
     if not isinstance(payload, Mapping):
         return "malformed: envelope is not an object"
     props = payload.get("properties")

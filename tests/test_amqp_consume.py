@@ -1,4 +1,4 @@
-"""``prio_fetch="consume"``: RabbitMQ pushes the tier queues to the worker (``brokers/amqp_consume.py``).
+"""``prio_fetch="consume"``: RabbitMQ pushes the tier queues to the worker (``brokers/amqp/consume.py``).
 
 The source on a real broker first: what it holds, when it gives back, and
 when a queue's next message comes. Then the worker scenarios of
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_prio.brokers.amqp_consume import AmqpConsumeSource
+from celery_prio.brokers.amqp.consume import AmqpConsumeSource
 from celery_prio.errors import ConfigError
 from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings, settings_for

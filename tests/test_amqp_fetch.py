@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_prio.brokers.amqp import PROBE_FRACTION, AmqpFetchSource
+from celery_prio.brokers.amqp.fetch import PROBE_FRACTION, AmqpFetchSource
 from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import settings_for
 from celery_prio.tiers import TIERS, Tier

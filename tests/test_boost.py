@@ -17,7 +17,7 @@ from celery.result import AsyncResult, GroupResult
 
 import celery_prio
 from celery_prio.boost import waited_on
-from celery_prio.brokers.amqp import FLEET_JOINED
+from celery_prio.brokers.amqp.fetch import FLEET_JOINED
 from celery_prio.policy.superseded import Superseded, generation_of
 from celery_prio.tiers import Tier
 from celery_prio.worker.control import collect_prio_stats
@@ -246,7 +246,7 @@ def test_rabbitmq_a_forged_journal_record_is_ignored(amqp_env):
     """Anyone on the vhost can append to the journal: a record not signed with the app's key does nothing."""
     import amqp as pyamqp
 
-    from celery_prio.brokers.amqp_boost import declare_journal, journal_name
+    from celery_prio.brokers.amqp.boost import declare_journal, journal_name
     from celery_prio.settings import settings_for
 
     env = amqp_env
@@ -272,7 +272,7 @@ def test_a_long_stream_is_read_to_its_end_whatever_its_length(amqp_env):
     than the 1 s given here; before, a journal past ~100k records was read only in part)."""
     import amqp as pyamqp
 
-    from celery_prio.brokers.amqp_registry import read_to_marker
+    from celery_prio.brokers.amqp.registry import read_to_marker
 
     env = amqp_env
     name = f"{env.prefix}.longstream"

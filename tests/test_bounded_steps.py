@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import time
 
-from celery_prio.brokers.redis_boost import RedisBooster
-from celery_prio.brokers.redis_scripts import BOOST_FIND, EVICT_BUDGET, GUARDED_PUSH, SCRIPT_BYTES
+from celery_prio.brokers.redis.boost import RedisBooster
+from celery_prio.brokers.redis.scripts import BOOST_FIND, EVICT_BUDGET, GUARDED_PUSH, SCRIPT_BYTES
 from celery_prio.tiers import Tier
 from tests.test_untrusted import ids_in, message
 

@@ -133,7 +133,7 @@ def test_bulk_frames_are_the_bytes_py_amqp_sends(body_size):
     from amqp.method_framing import frame_writer
     from amqp.serialization import dumps
 
-    from celery_prio.brokers.amqp_wire import PublishFrames
+    from celery_prio.brokers.amqp.wire import PublishFrames
 
     class Sink:  # py-amqp's writer needs a connection's frame_max and a transport's write
         frame_max = 4096

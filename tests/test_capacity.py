@@ -148,7 +148,7 @@ def test_a_garbage_drain_rate_entry_still_gives_queue_full(redis_env):
 
 
 def test_rabbitmq_refusals_share_one_management_client(amqp_env):
-    from celery_prio.brokers.amqp_management import management_client
+    from celery_prio.brokers.amqp.management import management_client
     from celery_prio.settings import settings_for
 
     env = amqp_env

@@ -183,7 +183,7 @@ def test_losing_the_leader_mid_load_loses_no_accepted_task(cluster, tmp_path):
 
 def test_quorum_arguments_map_caps_aging_and_dead_lettering():
     """Pure: what each queue is declared with (classic unchanged; quorum as the docstring explains)."""
-    from celery_prio.brokers.amqp import queue_arguments
+    from celery_prio.brokers.amqp.topology import queue_arguments
 
     caps = {"max_length": {"realtime": 10, "batch": 100, "offline": 1000}, "aging": {"batch": 60, "offline": 60}}
     classic = load_settings({}, {"queue_prefix": "q", **caps})

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from celery_prio.brokers.redis import SWEEP_BATCH
-from celery_prio.brokers.redis_scripts import SWEEP_DEAD_OWNERS
+from celery_prio.brokers.redis.housekeeping import SWEEP_BATCH
+from celery_prio.brokers.redis.scripts import SWEEP_DEAD_OWNERS
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
 

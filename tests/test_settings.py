@@ -7,7 +7,7 @@ from celery import Celery
 
 import celery_prio
 from celery_prio import ConfigError, Tier, parse_tier
-from celery_prio.install import check_task_tiers
+from celery_prio.policy.routes import check_task_tiers
 from celery_prio.settings import load_settings
 
 
@@ -123,7 +123,7 @@ def test_a_task_with_a_bogus_tier_is_refused_by_the_worker_check():
     with pytest.raises(
         ConfigError, match=r"task 't.bogus': unknown tier 'nope'; valid tiers: realtime\|batch\|offline"
     ):
-        check_task_tiers(app)
+        check_task_tiers(app.tasks)
 
 
 def test_reserve_must_be_below_concurrency():
@@ -194,13 +194,13 @@ PLAIN = (
 def test_management_endpoint_follows_the_broker_tls_and_never_defaults_credentials(
     broker, management_url, tls, expected
 ):
-    from celery_prio.brokers.amqp_management import management_endpoint
+    from celery_prio.brokers.amqp.management import management_endpoint
 
     assert management_endpoint(broker, management_url, tls=tls) == expected
 
 
 def test_plain_http_sends_the_broker_credentials_only_when_a_setting_says_so():
-    from celery_prio.brokers.amqp_management import management_endpoint
+    from celery_prio.brokers.amqp.management import management_endpoint
 
     assert management_endpoint("amqp://u:p@rabbit//", None, plain_http=True)[2:] == ((UP,), None)
     assert load_settings({}).management_plain_http is False

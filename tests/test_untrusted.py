@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_prio.brokers.redis import describe_dead_entry
-from celery_prio.brokers.redis_transport import drain_rate
+from celery_prio.brokers.redis.admin import describe_dead_entry
+from celery_prio.brokers.redis.transport import drain_rate
 from celery_prio.headers import ENQUEUED_HEADER
 from celery_prio.tiers import TIERS, Tier
 from celery_prio.untrusted import enqueue_age, headers_problem, redis_envelope_problem, valid_stamp

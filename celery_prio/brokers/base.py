@@ -1,29 +1,44 @@
-"""What the worker and the operator tools ask of a broker: the only interface outside ``brokers/``.
+"""What the rest of celery-prio asks of a broker: one typed interface per role, the only one outside ``brokers/``.
 
-Two halves, one per connection:
+* :class:`FetchSource` — a worker's side, on its consumer's channel: the
+  next message for an ordered list of tiers, dead letters, the broker's
+  housekeeping jobs, broker-wide figures for the worker report.
+* :class:`Broker` — operators' side (CLI, exporters, tests), on a connection
+  of its own: depths, counters, drain rates, dead letters, aging.
+* :class:`Publisher` — the producer's side, chosen from the broker URL by
+  ``install()``: tier queues, capacity, refusals, sub-queues, and the three
+  roles below.
+* :class:`BulkSession` — chunks of one task's messages into one queue.
+* :class:`Continuations` — a sliced task's next run, published and recorded
+  in one step.
+* :class:`Booster` — lifting a queued task into a higher tier.
 
-* :class:`FetchSource` — bound to a worker consumer's own channel: takes the
-  next message for an ordered list of tiers, copies unrunnable messages to
-  the dead letters, names the housekeeping jobs the broker needs on the
-  worker's event loop, and reads broker-wide figures for the worker report.
-* :class:`Broker` — a connection of its own, for CLIs, exporters and tests:
-  depths, counters, drain rates, oldest age, dead letters, aging.
-
-``RedisFetchSource``/``RedisAdapter`` and ``AmqpFetchSource``/``AmqpAdapter``
-implement them completely, ``MemoryFetchSource`` the first for fast tests;
-nothing outside ``brokers/`` branches on the broker kind.
+``brokers/redis/`` and ``brokers/amqp/`` implement them all,
+``brokers/memory.py`` the fetch source for fast tests; nothing outside
+``brokers/`` branches on the broker kind, and the two brokers' packages never
+import each other. Messages are opaque here (``object``): kombu's on real
+brokers, anything in the memory broker.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from celery import Celery
+from celery.app.amqp import task_message
+from kombu import Connection, Exchange, Queue
+
+from ..errors import QueueFull
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
-from ..tiers import Tier
+from ..tiers import TIERS, Tier
+
+#: A boost record a worker must know before its first fetch: ``[task id, generation, at]`` (``superseded.py``).
+BoostRecord = list[str | int | float]
 
 
 @dataclass
@@ -31,7 +46,7 @@ class Take:
     """What one fetch found."""
 
     tier: Tier | None = None  # the tier the message came from
-    message: Any = None  # a kombu Message, or None
+    message: object = None  # a kombu Message, or None
     empty: tuple[Tier, ...] = ()  # tiers found empty on the way (the scheduler stops banking their time)
     dead_lettered: int = 0  # malformed elements moved to the dead letters instead: ask again at once
     queue: str | None = None  # the queue the message came from
@@ -90,7 +105,7 @@ class FetchSource(ABC):
     """The worker's side of a broker, on the consumer's channel."""
 
     #: The kombu channel the source fetches and acks on (Celery binds the worker's queues to it).
-    channel: Any = None
+    channel: object = None
 
     def __init__(self, served: ServedQueues, settings: PrioSettings) -> None:
         self.served = served
@@ -106,7 +121,7 @@ class FetchSource(ABC):
         """The oldest message of the first tier in ``order`` that has one (promoted sub-queue first)."""
 
     @abstractmethod
-    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+    def dead_letter(self, message: object, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
 
     #: Messages delivered to this worker that wait for a slot (a source the broker pushes to holds some).
@@ -139,7 +154,7 @@ class FetchSource(ABC):
         died and no longer holds (``held``: delivery tags it still runs or waits to run). How many."""
         return 0
 
-    def join_fleet(self) -> list[list[Any]]:
+    def join_fleet(self) -> list[BoostRecord]:
         """Called before the first fetch: count this worker among those a boost asks; the boost records it
         must know (``[[task id, generation, at], ...]``, see ``superseded.py``). Only RabbitMQ needs any."""
         return []
@@ -177,7 +192,7 @@ class Broker(ABC):
 
     kind = "?"
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Celery) -> None:
         self.app = app
 
     @abstractmethod
@@ -219,7 +234,7 @@ class Broker(ABC):
         return None
 
     @abstractmethod
-    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, object]]:
         """Dead letters, oldest first: ``{"id", "task", "reason", "queue", "at"}``; never raises on bad entries."""
 
     @abstractmethod
@@ -237,3 +252,166 @@ class Broker(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The next run of a sliced task: ``send(producer=None, **publish_options)`` publishes it."""
+
+    task_id: str
+    generation: int
+    send: Callable[..., None]
+    tier: Tier
+    enqueued_at: object  # the first publish's stamp, as the message carried it (checked before use)
+
+
+class Continuations(ABC):
+    """Sliced tasks' continuations: published and recorded in one step, so a stale copy knows it is stale."""
+
+    @abstractmethod
+    def publish(self, app: Celery, settings: PrioSettings, continuation: Continuation) -> None:
+        """Publish ``continuation`` and record its generation as committed, atomically."""
+
+    @abstractmethod
+    def committed(self, app: Celery, settings: PrioSettings, task_id: str) -> int:
+        """How many continuations of ``task_id`` were committed (a copy of an earlier generation is stale)."""
+
+    @abstractmethod
+    def waiting(self, app: Celery, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child."""
+
+
+class Booster(ABC):
+    """``celery_prio.boost``: lift a queued task into a higher tier's front lane."""
+
+    @abstractmethod
+    def lift(self, app: Celery, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
+        """What the boost did, or None where this process cannot find the task."""
+
+
+class BulkSession(ABC):
+    """Publishes chunks of Celery task messages (``amqp.task_message``) to one tier queue or sub-queue.
+
+    ``bulk`` publishes a chunk in three steps, so that it can build and encode
+    the next chunk while the broker takes this one: ``encode`` (no I/O),
+    ``send`` (returns a ticket), ``collect`` (waits for the broker's answer:
+    per message, accepted or not). By default ``send`` publishes at once.
+    """
+
+    #: Header fields that differ between the messages of one bulk publish (the rest is encoded once).
+    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "kwargsrepr", "prio_enqueued_at", "group_index")
+
+    def __init__(
+        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, queue: str | None = None
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.tier = tier
+        self.queue = queue or settings.queue_name(tier)  # the tier's queue, or one of its sub-queues
+        self.cap = settings.max_length[tier] if queue is None else settings.subqueue_cap(tier)
+        self.channel = connection.channel()
+        self.serializer = app.conf.task_serializer or "json"
+
+    def prepare(self, message: task_message) -> object:
+        """The broker's own message for a Celery task message (as kombu's Producer would build it)."""
+        from kombu.serialization import dumps
+
+        content_type, content_encoding, body = dumps(message.body, serializer=self.serializer)
+        properties = {k: v for k, v in message.properties.items() if v}  # no empty reply_to
+        properties["delivery_mode"] = 2  # persistent, as Celery's default
+        return self.channel.prepare_message(body, 0, content_type, content_encoding, message.headers, properties)
+
+    @abstractmethod
+    def publish(self, messages: list[task_message]) -> list[bool]:
+        """Per message, whether the broker accepted it. Stops nothing: the caller reports refusals."""
+
+    def encode(self, messages: list[task_message]) -> object:
+        return messages
+
+    def send(self, encoded: object) -> object:
+        return self.publish(encoded)  # type: ignore[arg-type]  # the default ticket is the messages
+
+    def collect(self, ticket: object) -> list[bool]:
+        return ticket  # type: ignore[return-value]  # the default ``send`` answered at once
+
+    @abstractmethod
+    def queue_full(self, accepted: int) -> QueueFull:
+        """The error for a chunk the tier did not take whole."""
+
+
+class Publisher:
+    """What ``install()`` and the publish path need of a broker; the base does nothing broker-specific."""
+
+    kind = "?"
+
+    def __init__(self) -> None:
+        self._subqueues: dict[str, Queue] = {}
+        self._introduced_at: dict[str, float] = {}  # monotonic time each sub-queue was last made known
+        self._subqueues_lock = threading.Lock()
+
+    #: A sub-queue in use is introduced again this often (the registry may forget names unused for long).
+    REINTRODUCE_AFTER = 24 * 3600.0
+
+    def subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
+        """The kombu Queue of a sub-queue, made known to the workers (and declared) on first use in this process."""
+        name = settings.subqueue_name(tier, subqueue)
+        queue = self._subqueues.get(name)
+        if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
+            with self._subqueues_lock:
+                queue = self._subqueues.get(name)
+                if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
+                    # Before the first message: a worker serves the queue from that message on.
+                    self.introduce_subqueue(app, settings, tier, name)
+                    self._introduced_at[name] = time.monotonic()
+                if queue is None:
+                    # Published through the default exchange, straight to the queue.
+                    queue = self._subqueues[name] = Queue(name, Exchange(""), routing_key=name, no_declare=True)
+        return queue
+
+    def introduce_subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, name: str) -> None:
+        """Create ``name`` where the broker needs it and let workers find it."""
+
+    def check(self, settings: PrioSettings) -> None:
+        """Refuse, before anything is declared, settings this broker cannot honour."""
+
+    def queues(self, settings: PrioSettings) -> list[Queue]:
+        """The three tier queues, declared like Celery's own (a direct exchange per queue)."""
+        return [Queue(n, Exchange(n, type="direct"), routing_key=n) for n in map(settings.queue_name, TIERS)]
+
+    def configure(self, app: Celery, settings: PrioSettings, options: dict[str, object]) -> None:
+        """Adjust ``broker_transport_options`` (and the transport) for capacity."""
+
+    def before_send(self, app: Celery, settings: PrioSettings) -> None:
+        """Called before every publish through the app (cheap after the first)."""
+
+    def refusal(
+        self, app: Celery, settings: PrioSettings, tier: Tier, queue: str | None, exc: BaseException
+    ) -> QueueFull | None:
+        """``QueueFull`` when ``exc`` is this broker saying ``tier`` (its ``queue``) is full; else None."""
+        return None
+
+    @property
+    def continuations(self) -> Continuations:
+        raise NotImplementedError("GPU time slices support Redis and RabbitMQ")
+
+    @property
+    def booster(self) -> Booster:
+        raise NotImplementedError("celery_prio.boost supports Redis and RabbitMQ")
+
+    #: Why a boost may find nothing (``Boost.detail`` of ``not_found``).
+    boost_not_found = "not queued in this app's tier queues (unknown id, or running without task_track_started)"
+
+    def remember_publishes(self, settings: PrioSettings) -> None:
+        """Called by ``install()``: keep what a boost from this process needs (RabbitMQ)."""
+
+    def bulk_session(
+        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, subqueue: str | None = None
+    ) -> BulkSession:
+        """A session that publishes chunks of prepared task messages to ``tier`` or one of its sub-queues."""
+        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
+        return self.new_bulk_session(app, connection, settings, tier, queue)
+
+    def new_bulk_session(
+        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, queue: str | None
+    ) -> BulkSession:
+        raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")

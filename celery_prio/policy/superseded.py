@@ -7,7 +7,7 @@ task: before the copy is published every live worker is told
 (``prio_supersede``, a broadcast with replies) and records ``id -> n`` as
 *pending*; once the copy is on the broker the booster commits it. A worker
 that starts later reads the records from the boost journal before its first
-fetch (``brokers/amqp_boost.py``).
+fetch (``brokers/amqp/boost.py``).
 
 A worker that fetches a copy of ``id`` with a generation below a committed
 record acks it without running it; below a pending one it waits for the

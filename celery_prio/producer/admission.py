@@ -1,28 +1,29 @@
 """Publish-side admission: a full tier refuses at once with ``QueueFull``.
 
-Redis refuses inside the atomic publish script (``brokers/redis_transport``)
+Redis refuses inside the atomic publish script (``brokers/redis/transport.py``)
 and raises ``QueueFull`` itself. RabbitMQ refuses with a publisher-confirm
-nack, which kombu surfaces as ``OperationalError``; the broker's
-``Publishing.refusal`` recognises it and this wrapper around
-``app.send_task`` raises ``QueueFull`` for the tier the router chose.
+nack, which kombu surfaces as ``OperationalError``; this wrapper around
+``app.send_task`` works out where the refused call was routed (the same
+decision the router made) and hands tier and queue to the broker's
+``Publisher.refusal``, which turns the nack into ``QueueFull``.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
+from celery import Celery
 from kombu.exceptions import OperationalError
 
-from ..brokers.publishing import Publishing
+from ..brokers.base import Publisher
+from ..errors import QueueFull
 from ..settings import PrioSettings
+from ..tiers import Tier
+from .routing import route_of_call
 
-#: The tier the router picked for the publish in flight on this thread.
-last_route = threading.local()
 
-
-def guard_send_task(app: Any, settings: PrioSettings, publishing: Publishing) -> None:
+def guard_send_task(app: Celery, settings: PrioSettings, publishing: Publisher) -> None:
     send_task = app.send_task
     if getattr(send_task, "celery_prio", False):
         send_task = send_task.__wrapped__
@@ -30,15 +31,30 @@ def guard_send_task(app: Any, settings: PrioSettings, publishing: Publishing) ->
     @functools.wraps(send_task)
     def send_task_admitted(*args: Any, **kwargs: Any) -> Any:
         publishing.before_send(app, settings)
-        last_route.tier = last_route.queue = None
         try:
             return send_task(*args, **kwargs)
         except OperationalError as exc:
-            tier = getattr(last_route, "tier", None)
-            full = None if tier is None else publishing.refusal(app, settings, tier, exc)
+            full = _refused(app, settings, publishing, args, kwargs, exc)
             if full is None:
                 raise
             raise full from None
 
     send_task_admitted.celery_prio = True  # type: ignore[attr-defined]
     app.send_task = send_task_admitted
+
+
+def _refused(
+    app: Celery, settings: PrioSettings, publishing: Publisher, args: tuple, kwargs: dict, exc: BaseException
+) -> QueueFull | None:
+    """``QueueFull`` for a publish the broker refused, naming the tier and queue its call was routed to."""
+    name = args[0] if args else kwargs.get("name")
+    call_args = args[1] if len(args) > 1 else kwargs.get("args")
+    call_kwargs = args[2] if len(args) > 2 else kwargs.get("kwargs")
+    options = {k: v for k, v in kwargs.items() if k not in ("name", "args", "kwargs")}
+    try:
+        tier, sub = route_of_call(settings, str(name), call_args, call_kwargs, options, app.tasks.get(name))
+    except ValueError:  # the router refused it before anything was published: not a refusal by the broker
+        return None
+    tier = settings.default_tier if tier is None else tier
+    queue = None if sub is None else settings.subqueue_name(tier, sub)
+    return publishing.refusal(app, settings, Tier(tier), queue, exc)

@@ -24,9 +24,9 @@ from celery.canvas import _chain
 from celery.utils.functional import _regen, regen  # _regen: how Celery keeps a lazy header
 
 from ..headers import BOOSTED_HEADER
+from ..policy.routes import tier_of_call
 from ..settings import PrioSettings, settings_for
 from ..tiers import Tier
-from .routing import tier_of_call
 
 
 def higher(a: Tier | None, b: Tier | None) -> Tier | None:

@@ -165,7 +165,7 @@ class Run:
                 for key in adapter.client.scan_iter(f"{self.prefix}.*"):
                     adapter.client.delete(key)
             else:
-                from ..brokers.amqp_management import management_client
+                from ..brokers.amqp.management import management_client
                 from ..settings import settings_for
 
                 listing = management_client(self.app, settings_for(self.app)).list_queues(rf"^{self.prefix}\.")
@@ -312,7 +312,7 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
     The backlog is filled with small stamped messages (not due) and ``aged``
     real task messages at the oldest end; the pass must not look further.
     """
-    from ..brokers.redis import RedisAdapter
+    from ..brokers.redis.admin import RedisAdapter
     from ..settings import settings_for
 
     results = {}

@@ -25,7 +25,7 @@ from celery.worker.consumer.control import Control
 from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 
-from ..install import check_task_tiers
+from ..policy.routes import check_task_tiers
 from ..settings import settings_for
 from .metrics import serve_metrics
 from .report import readable_rows
@@ -46,7 +46,7 @@ class PrioTasks(bootsteps.StartStopStep):
 
     def start(self, c: Consumer) -> None:
         settings = settings_for(c.app)
-        check_task_tiers(c.app)  # a task with a bogus tier stops the worker here, loudly
+        check_task_tiers(c.app.tasks)  # a task with a bogus tier stops the worker here, loudly
         fetcher = TierFetcher(c, settings)
         c.update_strategies()
         # Celery's ETA path bumps ``c.qos``; with basic_get there is no

@@ -20,10 +20,10 @@ from celery.worker.consumer import Consumer
 
 from ..brokers import BrokerFigures, Job, fetch_source_for
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
+from ..policy.routes import sjf_queues
 from ..policy.scheduler import TierScheduler
 from ..policy.served import ServedQueues
 from ..policy.superseded import PENDING_FOR, RUN, STALE, generation_of, superseded
-from ..producer.routing import sjf_queues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker

@@ -8,7 +8,7 @@ when the plugin was off, as it is in the stock image. Here:
 * **The registry** ``<prefix>.subqueues`` is a stream. A publisher declares a
   sub-queue, then appends its name (with a confirm) before the first message
   goes to it, once per name per process (again every
-  ``Publishing.REINTRODUCE_AFTER``, so the stream's age limit never forgets a
+  ``Publisher.REINTRODUCE_AFTER``, so the stream's age limit never forgets a
   queue in use). Every worker follows
   the stream from its first record on a channel of its own: RabbitMQ pushes
   each new name as it is appended, so an idle worker serves a new sub-queue
@@ -30,8 +30,8 @@ from typing import Any
 import amqp
 from amqp.exceptions import NotFound
 
-from ..settings import PrioSettings
-from ..tiers import TIERS, Tier
+from ...settings import PrioSettings
+from ...tiers import TIERS, Tier
 
 #: The registry keeps a name this long after its last announcement, and at most this many bytes.
 REGISTRY_MAX_AGE = "7D"

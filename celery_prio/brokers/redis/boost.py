@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import ConfigError
-from ..headers import BOOSTED_HEADER
-from ..policy.aging import readdress
-from ..settings import PrioSettings
-from ..tiers import TIERS, Tier
-from .base import Boost
-from .continuations import RedisContinuations, tier_queues
-from .redis_scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
+from ...errors import ConfigError
+from ...headers import BOOSTED_HEADER
+from ...policy.aging import readdress
+from ...settings import PrioSettings
+from ...tiers import TIERS, Tier
+from ..base import Boost
+from ..shared import tier_queues
+from .continuations import RedisContinuations
+from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
 
 #: Elements a look starts before where the previous one ended: a boost elsewhere
 #: that removed an element ahead of the cursor shifts the rest one place left.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..settings import PrioSettings
+from ...settings import PrioSettings
 
 #: Seconds between pruning passes; one worker of the fleet takes each (``SET NX PX``).
 PRUNE_INTERVAL = 60.0

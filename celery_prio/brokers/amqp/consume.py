@@ -40,11 +40,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..policy.served import ServedQueues
-from ..settings import PrioSettings
-from ..tiers import Tier
-from .amqp import AmqpFetchSource
-from .base import Job, Take
+from ...policy.served import ServedQueues
+from ...settings import PrioSettings
+from ...tiers import Tier
+from ..base import Job, Take
+from .fetch import AmqpFetchSource
 
 logger = logging.getLogger(__name__)
 

@@ -52,14 +52,14 @@ from typing import Any
 
 import amqp
 
-from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
-from ..policy.superseded import PENDING_FOR
-from ..settings import PrioSettings
-from ..tiers import Tier
-from .amqp_registry import passive_declares, read_to_marker
-from .base import Boost
+from ...headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
+from ...policy.superseded import PENDING_FOR
+from ...settings import PrioSettings
+from ...tiers import Tier
+from ..base import Boost
+from ..redis.boost import boost_lane
 from .continuations import _aging_expiration
-from .redis_boost import boost_lane
+from .registry import passive_declares, read_to_marker
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ def fleet_size(channel: Any, settings: PrioSettings) -> int:
 
 def join_fleet(channel: Any, settings: PrioSettings) -> None:
     """Count this worker in the fleet for as long as ``channel``'s connection is up."""
-    from .amqp import quorum_arguments
+    from .topology import quorum_arguments
 
     # Quorum with the tier queues: on a cluster the count survives the loss of any one node.
     args = quorum_arguments(settings, {}) or None

@@ -1,0 +1,288 @@
+"""A RabbitMQ worker's fetch source: ``basic_get`` per queue, in the scheduler's order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import amqp
+
+from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
+from ...policy.served import ServedQueues
+from ...settings import PrioSettings
+from ...tiers import Tier
+from ..base import FetchSource, Take
+from .admin import listed_subqueues
+from .registry import Presence, RegistryFollower, existing_depths, serving_counts
+from .topology import declare_subqueue, declare_tier_queues, quorum_arguments
+
+logger = logging.getLogger(__name__)
+
+#: Logged once a worker counts for boosts (before its first fetch); tests wait for it.
+FLEET_JOINED = "joined the fleet"
+
+#: An empty queue is re-asked after poll_interval / 10 at the soonest: on a
+#: busy worker asking it on every fetch would double the round trips.
+PROBE_FRACTION = 1 / 10
+
+# Sub-queues the management API lists as empty share a budget of basic_gets per second (its figures
+# lag by seconds, so they are still asked): a few idle tenants are asked as often as any queue,
+# a thousand cost a worker this many round trips a second, not a thousand per fetch.
+IDLE_PROBE_BUDGET = 200.0
+
+#: At most this many ``basic_get`` in one round trip (queues found empty, then one that had work).
+PIPELINE_MAX = 8
+
+
+def _empty_tiers(asked: list[tuple[Tier, str]], before: Tier | None) -> tuple[Tier, ...]:
+    """Tiers whose every asked queue was empty, up to (not including) the tier a message came from."""
+    out: list[Tier] = []
+    for tier, _ in asked:
+        if tier is before:
+            break
+        if tier not in out:
+            out.append(tier)
+    return tuple(out)
+
+
+class AmqpFetchSource(FetchSource):
+    """The worker's RabbitMQ side: ``basic_get`` per queue, guarded.
+
+    What cannot be read goes to the dead letters (published with a confirm
+    before the original is acked), never into Celery. py-amqp's basic_get
+    blocks on a round trip and dispatches other channels' frames
+    re-entrantly, so this runs from the worker's loop, never from inside a
+    message callback.
+    """
+
+    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings) -> None:
+        from kombu.serialization import prepare_accept_content
+
+        super().__init__(served, settings)
+        self.app = app
+        self.channel = declare_tier_queues(channel, settings)
+        self._listed_empty: set[str] = set()
+        self._listed: list[str] = []  # sub-queues the management API listed (where it answers)
+        self._listing_retry_at = 0.0
+        # Sub-queues found through the registry stream (pushed: brokers/amqp_registry.py), declared here
+        # on the loop before they are asked; and this worker's presence in the tiers it serves.
+        self.follower = RegistryFollower(settings, on_new=lambda names: self.on_arrival())
+        self._absorbed = -1  # ``follower.version`` whose names are served
+        self._declared: set[str] = set()
+        self.presence = Presence(settings, quorum_arguments(settings, {}) or None)
+        self.accept = prepare_accept_content(app.conf.accept_content)
+        self._empty_at: dict[str, float] = {}  # queue name -> when a basic_get last found it empty
+        self._probe_interval = settings.poll_interval * PROBE_FRACTION
+        # A message that rides along behind the one taken goes back with basic_reject, which a quorum
+        # queue counts toward its delivery limit: there, every queue is asked on its own.
+        self._pipeline_max = 1 if settings.queue_type == "quorum" else PIPELINE_MAX
+
+    def take(self, order: list[Tier]) -> Take:
+        """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
+
+        Each ``basic_get`` is a round trip, and a busy worker re-asks the
+        queues it found empty every few milliseconds (realtime's among
+        them). So the queues found empty at their last look are asked in
+        the same round trip as the next queue that had work: one round trip
+        per fetch while they stay empty. A message that rode along behind
+        the one taken goes back to its queue (``basic_reject`` with requeue:
+        RabbitMQ puts it back where it was).
+        """
+        self._follow_registry()
+        now = time.monotonic()
+        plan: list[tuple[Tier, str]] = []
+        for tier in order:
+            plan.extend((tier, c.name) for c in self.served.candidates(tier) if not self._skip(c.name, now))
+        found, asked = self._first_found(plan, now)
+        return self._take_found(found, asked)
+
+    def _first_found(
+        self, plan: list[tuple[Tier, str]], now: float
+    ) -> tuple[tuple[Tier, str, Any] | None, list[tuple[Tier, str]]]:
+        """The first message in ``plan``'s order (tier, queue, raw message) and the queues found empty before it."""
+        asked: list[tuple[Tier, str]] = []  # found empty, in asking order, before anything was found
+        start = 0
+        while start < len(plan):
+            end = start + 1
+            while end < len(plan) and end - start < self._pipeline_max and plan[end - 1][1] in self._empty_at:
+                end += 1
+            window = plan[start:end]
+            start = end
+            found: tuple[Tier, str, Any] | None = None
+            for (tier, name), raw in zip(window, self.get_many([name for _, name in window]), strict=True):
+                if raw is None:
+                    self._empty_at[name] = now
+                    if found is None:
+                        asked.append((tier, name))
+                elif found is None:
+                    found = (tier, name, raw)
+                    self._empty_at.pop(name, None)
+                else:
+                    self.channel.basic_reject(raw.delivery_tag, requeue=True)
+            if found is not None:
+                return found, asked
+        return None, asked
+
+    def _take_found(self, found: tuple[Tier, str, Any] | None, asked: list[tuple[Tier, str]]) -> Take:
+        empty_queues = tuple(n for _, n in asked)
+        if found is None:
+            return Take(empty=_empty_tiers(asked, before=None), empty_queues=empty_queues)
+        tier, name, raw = found
+        empty = _empty_tiers(asked, before=tier)
+        message = self._to_python(raw, name)
+        if message is None:
+            return Take(dead_lettered=1, empty=empty, empty_queues=empty_queues)
+        self._listed_empty.discard(name)
+        return Take(tier, message, empty, 0, name, empty_queues)
+
+    def _skip(self, queue: str, now: float) -> bool:
+        """Found empty just now, or (a sub-queue) listed empty by the management API and asked lately."""
+        since = now - self._empty_at.get(queue, float("-inf"))
+        if queue in self._listed_empty:
+            return since < max(self._probe_interval, len(self._listed_empty) / IDLE_PROBE_BUDGET)
+        return since < self._probe_interval
+
+    #: Seconds between looks at what the registry's follower and the management API (where it answers) found.
+    discovery_interval = 1.0
+    #: After the management API did not answer, it is asked again only after this many seconds: it is optional.
+    LISTING_RETRY = 60.0
+
+    def prepare_subqueues(self, names: list[str]) -> None:
+        for name in names:
+            tier = self.settings.tier_for_queue(name)
+            if tier is not None:
+                self.channel = declare_subqueue(self.channel, self.settings, tier, name)
+                self._declared.add(name)
+
+    def _follow_registry(self) -> None:
+        """Serve the sub-queues the registry pushed since the last fetch (declared first: a basic_get of a
+        missing queue would close the channel), and keep this worker's presence in step with its tiers."""
+        if self.follower.version != self._absorbed:
+            self._absorbed = self.follower.version
+            self.prepare_subqueues([n for n in self.follower.names if n not in self._declared])
+            # Added to what is served, never replacing it: the registry only grows (a queue another path
+            # found, such as a listing, stays served).
+            names = list(dict.fromkeys([*self.served.discovered, *self.follower.names, *self._listed]))
+            if names != self.served.discovered:
+                self.served.set_discovered(names)
+        if self.presence.tiers != set(self.served.tiers):
+            self.presence.keep(self.channel.connection, self.served.tiers)
+
+    def discover_subqueues(self) -> list[str] | None:
+        """The registry's sub-queues, and those the management API lists where it answers.
+
+        The registry is enough; the listing adds two things when it is
+        there: sub-queues published to before this release's registry
+        existed, and which of them are empty (those share
+        ``IDLE_PROBE_BUDGET`` basic_gets a second between them).
+        """
+        if self.follower.channel is None:
+            self._restart_follower()
+        self.discovery_problem = self.follower.problem
+        now = time.monotonic()
+        if now >= self._listing_retry_at:
+            listing = listed_subqueues(self.app, self.settings)
+            if listing is None:
+                self._listing_retry_at = now + self.LISTING_RETRY
+                self._listed_empty = set()
+            else:
+                self._listed_empty = {name for name, ready in listing if ready == 0}
+                fresh = [name for name, _ in listing if name not in self._declared]
+                self._declared.update(fresh)  # listed: it exists
+                self._listed = [name for name, _ in listing]
+        self._absorbed = -1  # serve what both found now
+        self._follow_registry()
+        return self.served.discovered
+
+    def _restart_follower(self) -> None:
+        try:
+            self.follower.start(self.channel.connection)
+        except self.channel.connection.connection_errors:
+            raise  # the consumer reconnects and starts again
+        except Exception:
+            logger.exception("celery-prio: %s", self.follower.problem)
+
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        return serving_counts(self.channel.connection, self.settings)
+
+    def join_fleet(self) -> list[list[Any]]:
+        from .boost import join_fleet, journal_key, read_journal
+
+        # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
+        self._restart_follower()
+        self.presence.keep(self.channel.connection, self.served.tiers)
+
+        # On the worker's own connection: counted while it is up (and its control queue with it).
+        # A worker that cannot join still runs (fetching matters more), but boosts may then miss it.
+        try:
+            join_fleet(self.channel.connection.channel(), self.settings)
+        except self.channel.connection.connection_errors:
+            raise  # the consumer reconnects and starts again
+        except Exception:
+            logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
+            return []
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=3)
+                records = read_journal(conn.connection, self.settings, journal_key(self.app, self.settings))
+        except Exception:
+            # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown here.
+            logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
+            records = []
+        logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
+        return records
+
+    def get_many(self, queues: list[str]) -> list[Any]:
+        """One ``basic_get`` per queue, all sent before the first answer is read: one round trip.
+
+        py-amqp answers ``basic_get`` synchronously; its frames are sent here
+        and the answers (``get-ok`` or ``get-empty``, in the order asked)
+        read back one by one with py-amqp's own decoding.
+        """
+        from amqp import spec
+
+        self.broker_calls += len(queues)
+        channel = self.channel
+        if len(queues) == 1:
+            return [channel.basic_get(queue=queues[0], no_ack=False)]
+        for queue in queues:
+            channel.send_method(spec.Basic.Get, "Bsb", (0, queue, False))
+        out = []
+        for _ in queues:
+            reply = channel.wait([spec.Basic.GetOk, spec.Basic.GetEmpty], returns_tuple=True)
+            out.append(channel._on_get_ok(*reply) if reply and len(reply) >= 2 else None)
+        return out
+
+    def _to_python(self, raw: Any, queue: str) -> Any:
+        """kombu's message for ``raw``; one kombu cannot read goes to the dead letters (None)."""
+        try:
+            message = self.channel.message_to_python(raw)
+        except Exception as exc:
+            self._publish_dead(raw.body, raw.properties, f"malformed: kombu cannot read it ({exc!r})", queue, None)
+            self.channel.basic_ack(raw.delivery_tag)
+            return None
+        message.accept = self.accept
+        message.prio_queue = queue
+        return message
+
+    def queue_depths(self, names: list[str]) -> list[int]:
+        # On a probe channel: a queue deleted since it was found closes that channel, not the fetch channel.
+        return existing_depths(self.channel.connection, names)
+
+    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+        self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
+
+    def _publish_dead(self, body: Any, properties: dict, reason: str, queue: str, tier: Tier | None) -> None:
+        logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
+        props = dict(properties or {})
+        headers = props.get("application_headers")
+        headers = dict(headers) if isinstance(headers, dict) else {}
+        headers.update({DEAD_REASON: reason, DEAD_QUEUE: queue, DEAD_AT: time.time()})
+        if tier is not None:
+            headers[DEAD_TIER] = tier.label
+        props.update(application_headers=headers, delivery_mode=2)
+        # Confirmed before the caller settles the original: never lost, at worst copied twice.
+        self.channel.basic_publish_confirm(
+            amqp.Message(body, **props), exchange="", routing_key=self.settings.dead_letter_queue
+        )

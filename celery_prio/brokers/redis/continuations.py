@@ -1,0 +1,64 @@
+"""Continuations of sliced tasks on Redis: the continuation's LPUSH and ``SET <prefix>.slice.<id> <n>``
+in one MULTI/EXEC (the transport's ``_put`` does both when a marker is pending)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...settings import PrioSettings
+from ...tiers import Tier
+from ..base import Continuation
+from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
+from .transport import pending_marker
+
+
+class RedisContinuations(ProcessConnection):
+    every_task_sjf = True  # one pipelined LLEN each: a missing list costs nothing
+
+    def _client(self, app: Any) -> Any:
+        return self.connection(app).default_channel.client
+
+    def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
+        # Aging on Redis reads the enqueue stamp the continuation carries: nothing to adjust.
+        pending_marker.value = (marker_name(settings, continuation.task_id), continuation.generation, MARKER_TTL)
+        try:
+            continuation.send()
+        finally:
+            left = pending_marker.value
+            pending_marker.value = None
+        if left is not None:
+            raise RuntimeError("celery-prio: the continuation was not published through celery-prio's Redis transport")
+
+    def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
+        raw = self._guarded(app, lambda client: client.get(marker_name(settings, task_id)))
+        try:
+            return int(raw or 0)
+        except ValueError:  # anyone can write to Redis: an unreadable marker marks nothing stale
+            return 0
+
+    def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+        """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
+
+        names = tier_queues(settings, tier, self.subqueues(app, settings))
+
+        def count(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.llen(name)
+            return sum(int(n) for n in pipe.execute())
+
+        return self._guarded(app, count)
+
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        from .transport import registered_subqueues
+
+        return self._guarded(app, lambda client: registered_subqueues(client, settings.subqueue_registry))
+
+    def _guarded(self, app: Any, work: Callable[[Any], Any]) -> Any:
+        conn = self.connection(app)
+        try:
+            return work(self._client(app))
+        except conn.connection_errors:
+            self.forget()
+            raise

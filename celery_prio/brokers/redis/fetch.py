@@ -1,0 +1,287 @@
+"""A Redis worker's fetch source: one script call per fetch over every served list, in order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...policy.served import Candidate, ServedQueues
+from ...settings import PrioSettings
+from ...tiers import TIERS, Tier
+from ...untrusted import decode_problem, decode_redis_element
+from ..base import BrokerFigures, FetchSource, Job, Take
+from .admin import RedisAdapter, _text
+from .housekeeping import SWEEP_BATCH, RedisHousekeeping
+from .liveness import PROCESS_HEARTBEAT
+from .scripts import (
+    DEAD_LETTER,
+    FETCH,
+    HEARTBEAT,
+)
+from .transport import UNSETTLED, registered_subqueues
+
+logger = logging.getLogger(__name__)
+
+
+class RedisFetchSource(FetchSource):
+    """The worker's Redis side: one round trip per fetch, over every served list in order.
+
+    One script takes the oldest message of the first non-empty list and
+    records it unacked, atomically: an empty tier costs nothing extra, and the
+    message is in kombu's unacked hash (so a dead worker's message is
+    restored) from the instant it leaves its list. Elements that are not
+    kombu messages are moved to the dead letters by the same script, with
+    their reason; they never reach Celery.
+    """
+
+    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings, worker_name: str) -> None:
+        from kombu.serialization import prepare_accept_content
+        from kombu.transport import virtual
+
+        super().__init__(served, settings)
+        self.channel = channel
+        self.worker_name = worker_name
+        self.accept = prepare_accept_content(app.conf.accept_content)
+        self.adapter = RedisAdapter(app, client=channel.client)
+        self._script = channel.client.register_script(FETCH)
+        self._beat = channel.client.register_script(HEARTBEAT)
+        self._dead_letter = channel.client.register_script(DEAD_LETTER)
+        self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
+        self.chores: RedisHousekeeping | None = None  # its fleet jobs, once the worker asks for them
+        self._registry: list[str] | None = None  # sub-queues, as of ``_registry_version``
+        self._registry_version: Any = None
+
+    #: One fetch script call asks every served list: serving more queues costs no round trip.
+    asks_all_queues_in_one_call = True
+
+    def keys_for(self, queue: str) -> list[str]:
+        return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
+
+    def take(self, order: list[Tier]) -> Take:
+        keys: list[str] = []
+        owners: list[Candidate] = []
+        for tier in order:
+            for candidate in self.served.candidates(tier):
+                for key in self.keys_for(candidate.name):
+                    keys.append(key)
+                    owners.append(candidate)
+        self.broker_calls += 1
+        hit = self.fetch(keys, [c.tier for c in owners])
+        if hit is None:
+            return Take(empty=tuple(order), empty_queues=tuple(dict.fromkeys(c.name for c in owners)))
+        index, message = hit
+        if message is None:
+            return Take(dead_lettered=1)
+        candidate = owners[index]
+        message.accept = self.accept
+        passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
+        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
+
+    #: A safety net only: every fetch already returns the registry's version (see ``_registry_moved``).
+    discovery_interval = 5.0
+
+    def discover_subqueues(self) -> list[str] | None:
+        registry = self.settings.subqueue_registry
+        try:
+            version = self.channel.client.get(self.settings.subqueue_registry_version)
+            if version == self._registry_version and self._registry is not None:
+                return self._registry
+            members = registered_subqueues(self.channel.client, registry)
+        except self.channel.connection_errors as exc:
+            self.discovery_problem = f"cannot read the sub-queue registry {registry}: {exc!r}"
+            return None
+        self.discovery_problem = None
+        self._registry_version, self._registry = version, members
+        return self._registry
+
+    def _registry_moved(self, version: Any, found: bool) -> None:
+        """A fetch saw the registry at ``version``: a new sub-queue is served from the next fetch on.
+
+        When this fetch found nothing, the loop is woken to ask again at
+        once, so a new sub-queue's first message waits for no poll interval.
+        """
+        if version == self._registry_version:
+            return
+        names = self.discover_subqueues()
+        if names is not None and names != self.served.discovered:
+            self.served.set_discovered(names)
+            if not found:
+                self.on_arrival()
+
+    def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
+        """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
+
+        ``(index, None)`` means elements were dead-lettered and nothing is
+        delivered yet: ask again. ``tiers[i]`` is the tier of ``keys[i]``.
+        """
+        channel = self.channel
+        reply = self._script(
+            keys=[
+                *keys,
+                channel.unacked_key,
+                channel.unacked_index_key,
+                self.settings.dead_letter_queue,
+                self.settings.stats_key,
+                self.settings.owners_key,
+                self.settings.subqueue_registry_version,
+            ],
+            args=[time.time(), *(t.label for t in tiers), self.worker_name],
+            client=channel.client,
+        )
+        position, raw, version = int(reply[0]) - 1, reply[1], reply[2]
+        self._registry_moved(version or None, found=position != -2)
+        if position == -2:
+            return None
+        if position < 0:
+            logger.error("celery-prio: moved %s malformed element(s) to %s", raw, self.settings.dead_letter_queue)
+            return -1, None
+        payload, problem = decode_redis_element(raw)
+        message = None
+        if problem is None:
+            try:
+                message = channel.Message(payload, channel=channel)
+            except Exception as exc:  # e.g. a body that is not valid base64
+                problem = f"malformed: kombu cannot read it ({exc!r})"
+        if message is None:
+            tag = _text(reply[3]) if len(reply) > 3 else _tag_of(raw)  # the script's: cjson read it
+            self._dead_letter_raw(raw, problem or "malformed", tiers[position], keys[position], tag)
+            return position, None
+        message.prio_raw = raw  # dead-lettering later keeps the element exactly as it was
+        message.prio_queue = keys[position]
+        self._local_append(channel.qos, message, message.delivery_tag)
+        return position, message
+
+    def _dead_letter_raw(self, raw: Any, reason: str, tier: Tier, queue: str, tag: str) -> None:
+        logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
+        channel = self.channel
+        self._dead_letter(
+            keys=[
+                self.settings.dead_letter_queue,
+                channel.unacked_key,
+                channel.unacked_index_key,
+                self.settings.stats_key,
+                self.settings.owners_key,
+            ],
+            args=[raw, reason, tier.label, time.time(), queue, tag],
+            client=channel.client,
+        )
+
+    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+        self._dead_letter_raw(message.prio_raw, reason, tier, getattr(message, "prio_queue", ""), "")
+
+    # -- housekeeping on the worker's loop --------------------------------------
+    def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
+        self.chores = RedisHousekeeping(self)
+        return self.chores.jobs(dispatched)
+
+    def recover_own(self, held: set[str]) -> int:
+        """Owned by this incarnation but not in its hands: fetched on the connection that died, whose
+        restore at close failed (Redis was down). A live owner's messages are never swept, so they would
+        stay unacked for good; they go back through kombu's restore now (marked redelivered)."""
+        client, mine, returned = self.channel.client, self.worker_name + "|", 0
+        self.settle_unsettled()
+        for tag, owner in client.hscan_iter(self.settings.owners_key, count=SWEEP_BATCH):
+            tag = _text(tag)
+            if _text(owner).startswith(mine) and tag not in held:
+                self.restore_or_dead_letter(tag)
+                returned += 1
+        if returned:
+            logger.warning("celery-prio: returned %d message(s) fetched before the reconnect to their queues", returned)
+        return returned
+
+    def settle_unsettled(self) -> None:
+        """Acks and rejects that failed while Redis was unreachable: done, so forgotten now, not returned."""
+        if not UNSETTLED:
+            return
+        client, settled = self.channel.client, set(UNSETTLED)
+        pipe = client.pipeline()
+        for tag in settled:
+            pipe.hdel(self.channel.unacked_key, tag).zrem(self.channel.unacked_index_key, tag)
+            pipe.hdel(self.settings.owners_key, tag)
+        pipe.execute()
+        UNSETTLED.difference_update(settled)
+        logger.info("celery-prio: settled %d message(s) whose ack failed while Redis was unreachable", len(settled))
+
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        try:
+            return self.adapter.serving(self.settings)
+        except self.channel.connection_errors:
+            return None
+
+    def join_fleet(self) -> list[list[Any]]:
+        self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
+        # Then from a thread, on a connection of its own: a busy event loop (a task under the solo pool,
+        # a long housekeeping pass) never makes this live worker look dead.
+        beat_client = self.channel._create_client(asynchronous=False)
+        PROCESS_HEARTBEAT.attach(lambda: self.heartbeat(beat_client))
+        return []
+
+    def heartbeat(self, client: Any = None) -> None:
+        """Say this worker is alive and which tiers it serves (before its first fetch, then every second)."""
+        tiers = ",".join(t.label for t in self.served.tiers)
+        self._beat(
+            keys=[self.settings.heartbeats_key, self.settings.serving_key],
+            args=[self.worker_name, tiers],
+            client=client or self.channel.client,
+        )
+
+    def restore_or_dead_letter(self, tag: str) -> None:
+        """Back to its queue through kombu's restore (marked redelivered); one kombu cannot read back (nested
+        too deep, say) goes to the dead letters instead, so no pass ever stops at it."""
+        try:
+            self.channel.qos.restore_by_tag(tag, client=self.channel.client, leftmost=False)
+        except self.channel.connection_errors:
+            raise
+        except Exception as exc:
+            self._dead_letter_unacked(tag, decode_problem(exc))
+
+    def _dead_letter_unacked(self, tag: str, reason: str) -> None:
+        """A swept message kombu cannot restore: to the dead letters as it was stored, owner and all forgotten."""
+        entry = self.channel.client.hget(self.channel.unacked_key, tag)
+        if entry is None:  # settled meanwhile: only the owner record is left
+            self.channel.client.hdel(self.settings.owners_key, tag)
+            return
+        raw, queue = split_unacked_entry(entry)
+        tier = self.settings.tier_for_queue(queue) or self.settings.default_tier
+        self._dead_letter_raw(raw, f"{reason}; found when its worker was gone", tier, queue, tag)
+
+    def broker_figures(self, now: float) -> BrokerFigures:
+        wall = time.time()
+        oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
+        return BrokerFigures(
+            counters=self.adapter.counters(self.settings),
+            oldest_age=oldest,
+            depth=self.served_depths(),
+            read_at=now,
+            dead_letters=self.dead_letter_depth(),
+        )
+
+    def queue_depths(self, names: list[str]) -> list[int]:
+        pipe = self.channel.client.pipeline(transaction=False)
+        for name in names:
+            pipe.llen(name)
+        return [int(n) for n in pipe.execute()]
+
+
+#: The end of an unacked entry as the fetch script (``[raw,"",queue]``) or kombu (``[raw, "", queue]``) writes it.
+_ENTRY_TAIL = re.compile(rb',\s*"(?:[^"\\]|\\.)*",\s*"((?:[^"\\]|\\.)*)"\]\s*$')
+
+
+def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
+    """``(raw message, queue)`` of a kombu unacked entry, without decoding the message (it may not decode)."""
+    match = _ENTRY_TAIL.search(entry)
+    if not entry.startswith(b"[") or match is None:
+        return entry, ""
+    return entry[1 : match.start()], match.group(1).decode(errors="replace")
+
+
+def _tag_of(raw: Any) -> str:
+    try:
+        tag = json.loads(raw)["properties"]["delivery_tag"]
+    except Exception:
+        return ""
+    return tag if isinstance(tag, str) else ""

@@ -1,0 +1,177 @@
+"""What a Redis worker does for the fleet on its event loop: return gone workers' messages, report
+rates, share estimates, prune, cap the dead letters, age."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...policy.served import AGING_TIERS
+from ...settings import PrioSettings
+from ...tiers import TIERS, Tier
+from ..base import Job
+from .admin import _text
+from .pruning import PRUNE_INTERVAL, mention, prune
+from .scripts import SWEEP_DEAD_OWNERS, TRIM_DEAD
+
+logger = logging.getLogger(__name__)
+
+#: How often, and how many at most per call, the oldest dead letters beyond ``prio_dead_letter_max`` go.
+DEAD_CAP_INTERVAL = 5.0
+DEAD_CAP_STEP = 10_000
+
+#: How often the fleet looks for messages of workers that are gone (prompt recovery; the beat itself
+#: comes from a thread, ``liveness``).
+SWEEP_INTERVAL = 1.0
+
+#: Owner records one sweep call reads (about 3 ms of Redis); a pass reads at most
+#: ``SWEEP_CHUNKS_PER_PASS`` of them each second and the next pass goes on from the fleet's cursor.
+SWEEP_BATCH = 1000
+SWEEP_CHUNKS_PER_PASS = 50
+
+
+def sweep_keys(settings: PrioSettings) -> list[str]:
+    """The sweep's lock (one sweeper a second for the fleet) and its HSCAN cursor."""
+    return [settings.owners_key + ".sweep", settings.owners_key + ".sweep_cursor"]
+
+
+#: How often a worker reports its per-tier take rate (publishers' Retry-After).
+RATE_INTERVAL = 2.0
+
+
+class RedisHousekeeping:
+    """The jobs of one worker's fetch source (``source``: its channel, settings and names)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.settings = source.settings
+        self.worker_name = source.worker_name
+        self._sweep = source.channel.client.register_script(SWEEP_DEAD_OWNERS)
+        self.returned = 0  # messages of gone workers this worker returned to their queues
+        self._rate_mark: tuple[float, dict[Tier, int]] | None = None
+
+    @property
+    def channel(self) -> Any:
+        return self.source.channel
+
+    def jobs(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
+        jobs = [
+            Job(SWEEP_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
+            Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
+            Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+            Job(PRUNE_INTERVAL, self._prune, "prune workers, estimates and sub-queues unheard of"),
+        ]
+        if self.settings.dead_letter_max is not None:
+            jobs.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
+        if any(self.settings.aging[t] is not None for t in AGING_TIERS):
+            # Every worker ages, whatever its -Q: offline ages into batch with no offline worker at all.
+            jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
+        return jobs
+
+    def _return_dead_owners_messages(self) -> None:
+        """Put back, at the head of their queues, messages fetched by workers that are gone.
+
+        kombu restores an unacked message only after ``visibility_timeout``
+        (an hour by default), and scans every app's unacked messages in the
+        database to do it. Here every fetch records its worker, every worker
+        beats each second, and any live worker returns a message whose
+        worker has been silent for longer than its tier's
+        ``prio_redeliver_after`` (realtime 5 s by default), whatever the
+        visibility timeout: a long task on a live worker is never returned,
+        and only this app's messages are looked at. The message goes back
+        through kombu's own restore (marked redelivered, to the list it came
+        from); the sweep script hands each one to a single sweeper.
+        """
+        channel, settings = self.channel, self.settings
+        limits: list[Any] = []
+        for tier, seconds in settings.redeliver_after.items():
+            limits += [tier.label, seconds]
+        returned = 0
+        try:
+            self.source.settle_unsettled()  # an ack that failed without a reconnect (a timeout) is settled here
+            for _ in range(SWEEP_CHUNKS_PER_PASS):  # chunk by chunk: Redis serves others in between
+                reply = self._sweep(
+                    keys=[settings.owners_key, settings.heartbeats_key, *sweep_keys(settings)],
+                    args=[self.worker_name, SWEEP_BATCH, *limits],
+                    client=channel.client,
+                )
+                if not reply:  # another worker sweeps this second
+                    break
+                for tag in reply[1:]:
+                    self.source.restore_or_dead_letter(_text(tag))
+                returned += len(reply) - 1
+                if _text(reply[0]) == "0":  # the pass reached the end of the hash
+                    break
+        except channel.connection_errors:
+            pass  # what this sweep took but did not restore is taken again after 10 s (by any worker)
+        if returned:
+            logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", returned)
+            self.returned += returned
+
+    def _prune(self) -> None:
+        gone = prune(self.channel.client, self.settings, self.worker_name)
+        if any(gone.values()):
+            logger.info("celery-prio: pruned what nobody mentioned for prio_prune_after: %s", gone)
+
+    def _cap_dead_letters(self) -> None:
+        client, settings = self.channel.client, self.settings
+        dropped = client.eval(
+            TRIM_DEAD, 2, settings.dead_letter_queue, settings.stats_key, settings.dead_letter_max, DEAD_CAP_STEP
+        )
+        if dropped:
+            logger.warning(
+                "celery-prio: dropped the %d oldest dead letters (prio_dead_letter_max=%d)",
+                dropped,
+                settings.dead_letter_max,
+            )
+
+    def _share_estimates(self) -> None:
+        """Run-time estimates of the queues inside the tiers, shared by the fleet (shortest-job-first order).
+
+        Each worker writes what it measured and takes, for the queues it has
+        not measured yet, what the others did: a worker that starts (or a
+        task name it never ran) orders by the fleet's figures from the first fetch.
+        """
+        key = self.settings.queue_prefix + ".estimates"
+        states = [(name, state) for _, name, state in self.source.served.queue_states()]
+        mine = {name: f"{state.estimate:.6f}" for name, state in states if state.measured}
+        client = self.channel.client
+        if mine:
+            client.hset(key, mapping=mine)
+            mention(client, self.settings, "estimates", list(mine))
+        fleet = client.hgetall(key)
+        for name, state in states:
+            raw = fleet.get(name.encode())
+            if state.measured or raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:  # anyone can write to Redis: a bad figure is skipped
+                continue
+            if value >= 0 and value == value:
+                state.estimate, state.measured = value, True
+
+    def _report_rates(self, counts: Mapping[Tier, int]) -> None:
+        """Publish this worker's per-tier take rate; publishers turn it into Retry-After."""
+        now = time.monotonic()
+        last_at, last = self._rate_mark or (now, dict(counts))
+        self._rate_mark = (now, dict(counts))
+        if now <= last_at:
+            return
+        wall = time.time()
+        mapping = {
+            f"{self.worker_name}|{tier.label}": f"{(counts[tier] - last[tier]) / (now - last_at):.4f} {wall:.3f}"
+            for tier in TIERS
+        }
+        self.channel.client.hset(f"{self.settings.stats_key}.rates", mapping=mapping)
+
+    def _age(self) -> None:
+        now = time.time()
+        subqueues = self.source.discover_subqueues() or []
+        for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
+            self.source.adapter.promote_aged(self.settings, tier, now)
+            for name in subqueues:  # one pass per sub-queue: every worker ages, whatever its -Q
+                if self.settings.subqueue_of(name, tier) is not None:
+                    self.source.adapter.promote_aged(self.settings, tier, now, source=name)

@@ -1,0 +1,91 @@
+"""What ``install()`` and the publish path need of Redis: the capped transport, sub-queue registry,
+continuations, boost and bulk sessions."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from ...settings import PrioSettings
+from ...tiers import TIERS, Tier
+from ..base import BulkSession, Publisher
+from .pruning import mention
+
+logger = logging.getLogger(__name__)
+
+REDIS_TRANSPORT_PATH = "celery_prio.brokers.redis.transport:Transport"
+
+SENTINEL_PATH = "celery_prio.brokers.redis.transport:SentinelTransport"
+
+
+class RedisPublisher(Publisher):
+    kind = "redis"
+
+    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+        # Every fetch script call returns the registry's version: a worker re-reads the set when it moved.
+        with app.connection_for_write() as conn:
+            client = conn.default_channel.client
+            if client.sadd(settings.subqueue_registry, name):
+                client.incr(settings.subqueue_registry_version)
+            mention(client, settings, "subqueues", [name])  # in use: not pruned for prio_prune_after
+
+    @functools.cached_property
+    def continuations(self) -> Any:
+        from .continuations import RedisContinuations
+
+        return RedisContinuations()
+
+    @functools.cached_property
+    def booster(self) -> Any:
+        from .boost import RedisBooster
+
+        return RedisBooster(self.continuations)
+
+    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+        # Capacity on Redis lives in an atomic publish script (kombu's Redis
+        # transport has no max-length); the subclass runs it for tier queues.
+        use_capped_redis_transport()
+        options["prio_caps"] = {
+            settings.queue_name(t): [cap, settings.overflow[t], t.label]
+            for t, cap in settings.max_length.items()
+            if cap is not None
+        }
+        # Every sub-queue of a tier (``<prefix>.<tier>.<name>``) has this cap.
+        options["prio_subqueue_caps"] = {
+            settings.queue_name(t) + ".": [settings.subqueue_cap(t), settings.overflow[t], t.label]
+            for t in TIERS
+            if settings.subqueue_cap(t) is not None
+        }
+        options["prio_dead_queue"] = settings.dead_letter_queue
+        options["prio_stats_key"] = settings.stats_key
+        options["prio_owners_key"] = settings.owners_key
+        options["prio_wait_replicas"] = settings.wait_replicas
+        # This app's in-flight messages in keys of its own: kombu's visibility-timeout restore (which
+        # every Redis worker runs) then scans only them, never another app's messages in the same db.
+        for name in ("unacked_key", "unacked_index_key", "unacked_mutex_key"):
+            options.setdefault(name, f"{settings.queue_prefix}.{name.removesuffix('_key')}")
+
+    def new_bulk_session(
+        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
+    ) -> BulkSession:
+        from .bulk import RedisBulkSession
+
+        return RedisBulkSession(app, connection, settings, tier, queue)
+
+
+def use_capped_redis_transport() -> None:
+    """Point kombu's ``redis``/``rediss`` names at our transport subclass.
+
+    Through kombu's own alias table rather than ``broker_transport``: URLs keep
+    their ``redis://`` scheme, so tools that read the broker URL back (Flower's
+    broker page, ``as_uri()`` in logs) still see Redis. The subclass differs
+    only for queues named in ``prio_caps`` transport options, so other Redis
+    connections in the process behave exactly as before.
+    """
+    from kombu import transport
+
+    for name, path in (("redis", REDIS_TRANSPORT_PATH), ("rediss", REDIS_TRANSPORT_PATH), ("sentinel", SENTINEL_PATH)):
+        if transport.TRANSPORT_ALIASES.get(name) != path:
+            transport.TRANSPORT_ALIASES[name] = path
+            transport._transport_cache.pop(name, None)  # a class resolved before install()

@@ -1,0 +1,82 @@
+"""Pieces both brokers' code uses: one connection per process, where a tier's work waits, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ..headers import SLICE_MARKER_SUFFIX
+from ..settings import PrioSettings
+from ..tiers import Tier
+
+MARKER_TTL = 24 * 3600
+
+
+def marker_name(settings: PrioSettings, task_id: str) -> str:
+    return f"{settings.queue_prefix}{SLICE_MARKER_SUFFIX}{task_id}"
+
+
+class ProcessConnection:
+    """One broker connection per process (pool children are forked: never share the parent's socket)."""
+
+    transport_options: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self._conn: Any = None
+        self._pid = 0
+
+    def connection(self, app: Any) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            self._conn = app.connection_for_write(transport_options=self.transport_options)
+            self._pid = os.getpid()
+        return self._conn
+
+    def forget(self) -> None:
+        self._conn = None  # reconnect on the next call
+
+    _subqueues: tuple[float, list[str]] | None = None
+
+    def subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        """This app's sub-queues (listed, and realtime's shortest-first ones), at most every
+        ``SUBQUEUE_LIST_TTL`` seconds per process: asked at sliced tasks' element boundaries."""
+        now = time.monotonic()
+        if self._subqueues is None or now - self._subqueues[0] > SUBQUEUE_LIST_TTL or self._pid != os.getpid():
+            try:
+                names = self.list_subqueues(app, settings)
+            except Exception:  # a listing that fails leaves the last one in use
+                names = self._subqueues[1] if self._subqueues else []
+            if settings.sjf:
+                from ..policy.routes import sjf_queues
+
+                names = [*names, *sjf_queues(settings, app.tasks, every_task=self.every_task_sjf)]
+            self._subqueues = (now, names)
+        return self._subqueues[1]
+
+    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+        raise NotImplementedError
+
+    #: Counts every registered task's shortest-first queue (as the worker serves them: see ``sjf_queues``).
+    every_task_sjf = False
+
+
+SUBQUEUE_LIST_TTL = 2.0  # seconds a pool child reuses its list of a tier's sub-queues
+
+
+def tier_queues(settings: PrioSettings, tier: Tier, subqueues: list[str]) -> list[str]:
+    """Where ``tier``'s work waits: its queue, its front lane and those of ``subqueues`` that are its."""
+    lane = settings.front_lanes().get(tier)
+    names = [settings.queue_name(tier), *([lane] if lane else [])]
+    names += [n for n in subqueues if settings.subqueue_of(n, tier) is not None]
+    return list(dict.fromkeys(names))
+
+
+def fast_json(value: Any) -> str:
+    """The standard library's C encoder for plain data; kombu's (datetimes, UUIDs, ...) for the rest."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        from kombu.utils.json import dumps
+
+        return dumps(value)
