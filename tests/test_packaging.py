@@ -35,6 +35,7 @@ def test_the_wheel_installs_only_celery_prio(wheel):
     assert {t for t in top if not t.endswith(".dist-info")} == {"celery_prio"}
     assert "celery_prio/example/weights/digits_cnn.pt" in names  # the demo runs from a plain install
     assert "celery_prio/tools/demo.py" in names
+    assert "celery_prio/brokers/redis/lua/fetch.lua" in names  # the Redis scripts are package data
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "celery-prio = celery_prio.ops.cli:main" in text and "prio = celery_prio.ops.celery_command:prio" in text

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from celery_prio.ops.simulate import RunTime, Stream, Workload, parse_override, simulate, workload_of
+from celery_prio.ops.simulate import simulate
+from celery_prio.ops.workload import RunTime, Stream, Workload, parse_override, workload_of
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
 from celery_prio.tools.bench import NO_CAPS, run_mixed

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+from ..errors import ConfigError
 from ..headers import SLICE_MARKER_SUFFIX
 from ..settings import PrioSettings
 from ..tiers import Tier
@@ -80,3 +81,11 @@ def fast_json(value: Any) -> str:
         from kombu.utils.json import dumps
 
         return dumps(value)
+
+
+def boost_lane(settings: PrioSettings, tier: Tier) -> str:
+    """The queue a task lifted into ``tier`` goes to (its front lane, served before the tier's queue)."""
+    lane = settings.front_lanes().get(tier)
+    if lane is None:
+        raise ConfigError(f"celery_prio.boost(): tier {tier.label!r} has no front lane; boosts need prio_inherit=True")
+    return lane

@@ -125,8 +125,8 @@ def exporter(ctx, port: int, host: str):
 def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool):
     """Replay a workload (spec or recorded trace) through the real scheduler for these settings and others."""
     from ..settings import load_settings
-    from .simulate import load_workload, parse_override
     from .simulate import simulate as run_simulation
+    from .workload import load_workload, parse_override
 
     app = ctx.obj.app
     try:

@@ -1,6 +1,6 @@
 """Inside one tier: which of its queues (sub-queues) goes next, by run time. Pure.
 
-The same virtual-time idea as the tier scheduler, one level down: taking a
+The same fair-share core as the tier scheduler (``fairshare.py``), one level down: taking a
 message from a queue charges it the queue's expected run time divided by its
 weight (``prio_subqueue_weights``, default 1), corrected to the measured run
 time when the task ends; the queue with the smallest virtual finish tag goes
@@ -19,18 +19,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-EWMA_ALPHA = 0.2
-DEFAULT_ESTIMATE = 0.1  # seconds, until one task of the queue ended
+from .fairshare import Flow
 
 
 @dataclass
-class QueueState:
-    vtime: float
-    estimate: float = DEFAULT_ESTIMATE
-    measured: bool = False
-    idle: bool = False
-    dispatched: int = 0
-    busy_seconds: float = 0.0
+class QueueState(Flow):
+    """A queue as a flow (``fairshare.Flow``), with its recent waits for the report."""
+
     waits: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))
     looked_at: float | None = None  # when a fetch last took from it or found it empty (shortest job first)
 
@@ -57,8 +52,7 @@ class QueueShares:
         """``names`` most deserving first (finish tag, then name: equal queues take turns)."""
 
         def finish(name: str) -> tuple[float, str]:
-            state = self._state(name)
-            return state.vtime + state.estimate / self.weight_of(name), name
+            return self._state(name).finish_tag(self.weight_of(name)), name
 
         return sorted(names, key=finish)
 
@@ -86,29 +80,16 @@ class QueueShares:
 
     def dispatched(self, name: str) -> float:
         """A message of ``name`` took a slot; returns the charge to pass to :meth:`finished`."""
-        state = self._state(name)
-        state.idle = False
-        state.dispatched += 1
-        state.vtime += state.estimate / self.weight_of(name)
-        return state.estimate
+        return self._state(name).charge(self.weight_of(name))
 
     def finished(self, name: str, runtime: float, charge: float) -> None:
-        state = self._state(name)
-        runtime = max(0.0, runtime)
-        state.busy_seconds += runtime
-        state.vtime += (runtime - charge) / self.weight_of(name)
-        if state.measured:
-            state.estimate += EWMA_ALPHA * (runtime - state.estimate)
-        else:
-            state.estimate, state.measured = runtime, True
+        self._state(name).settle(runtime, charge, self.weight_of(name))
 
     def observe_wait(self, name: str, wait: float) -> None:
         self._state(name).waits.append(max(0.0, wait))
 
     def empty(self, name: str) -> None:
-        state = self._state(name)
-        state.vtime = max(state.vtime, self._level(exclude=name))
-        state.idle = True
+        self._state(name).lift(self._level(exclude=name))
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop queues no longer served (their figures go with them)."""

@@ -37,24 +37,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..settings.table import IDLE_SHARE_RULES, SCHEDULER_MODES
 from ..tiers import TIERS, Tier
-
-IDLE_SHARE_RULES = ("proportional", "next_below")
-EWMA_ALPHA = 0.2  # weight of the newest run time in a tier's estimate
-DEFAULT_ESTIMATE = 0.1  # seconds assumed for a tier until one task of it finished
+from .fairshare import Flow
 
 
 @dataclass
-class TierState:
-    weight: float
-    vtime: float = 0.0
-    estimate: float = DEFAULT_ESTIMATE
-    measured: bool = False
-    idle: bool = False
+class TierState(Flow):
+    """A tier as a flow (``fairshare.Flow``), with its weight and its tasks in slots."""
+
+    weight: float = 1.0
     running: int = 0
-    dispatched: int = 0
     finished: int = 0
-    busy_seconds: float = 0.0
 
 
 @dataclass
@@ -66,7 +60,7 @@ class TierScheduler:
     mode: str = "time"
     idle_share: str = "proportional"
     served: frozenset[Tier] = frozenset(TIERS)
-    #: Known run times (seconds) per tier; unknown tiers start at DEFAULT_ESTIMATE.
+    #: Known run times (seconds) per tier; unknown tiers start at ``fairshare.DEFAULT_ESTIMATE``.
     estimates: Mapping[Tier, float] | None = None
     tiers: dict[Tier, TierState] = field(init=False)
     #: A tier a sliced task just gave its slot to: first for the next free slot (see :meth:`hand_off_to`).
@@ -78,8 +72,8 @@ class TierScheduler:
     offline_credit: float = field(init=False, default=100.0)  # first offline task need not wait
 
     def __post_init__(self) -> None:
-        if self.mode not in ("time", "count"):
-            raise ValueError(f"scheduler mode must be 'time' or 'count', got {self.mode!r}")
+        if self.mode not in SCHEDULER_MODES:
+            raise ValueError(f"scheduler mode must be one of {SCHEDULER_MODES}, got {self.mode!r}")
         if self.idle_share not in IDLE_SHARE_RULES:
             raise ValueError(f"idle_share must be one of {IDLE_SHARE_RULES}, got {self.idle_share!r}")
         if self.concurrency < 1:
@@ -120,10 +114,12 @@ class TierScheduler:
             eff[Tier.OFFLINE] = max(eff[Tier.OFFLINE], floor)
         return eff
 
+    def _cost(self, state: TierState) -> float:
+        return 1.0 if self.mode == "count" else state.estimate
+
     def _finish_tag(self, tier: Tier, weights: Mapping[Tier, float]) -> float:
         state = self.tiers[tier]
-        cost = 1.0 if self.mode == "count" else state.estimate
-        return state.vtime + cost / weights[tier]
+        return state.finish_tag(weights[tier], self._cost(state))
 
     def order(self) -> list[Tier]:
         """Tiers to try for the next free slot, most deserving first.
@@ -213,12 +209,9 @@ class TierScheduler:
         if tier is self.hand_off:
             self.hand_off = None
         state = self.tiers[tier]
-        state.idle = False
         self.vclock = max(self.vclock, state.vtime)
-        charge = 1.0 if self.mode == "count" else state.estimate
-        state.vtime += charge / self.effective_weights()[tier]
+        charge = state.charge(self.effective_weights()[tier], self._cost(state))
         state.running += 1
-        state.dispatched += 1
         if self.mode == "count" and self.min_share > 0 and Tier.OFFLINE in self.served:
             credit = self.offline_credit + self.min_share
             if tier is Tier.OFFLINE:
@@ -230,16 +223,9 @@ class TierScheduler:
     def finished(self, tier: Tier, runtime: float, charge: float) -> None:
         """A task dispatched from ``tier`` left its slot after ``runtime`` seconds."""
         state = self.tiers[tier]
-        runtime = max(0.0, runtime)
         state.running = max(state.running - 1, 0)
         state.finished += 1
-        state.busy_seconds += runtime
-        if self.mode == "time":
-            state.vtime += (runtime - charge) / self.effective_weights()[tier]
-            if state.measured:
-                state.estimate += EWMA_ALPHA * (runtime - state.estimate)
-            else:
-                state.estimate, state.measured = runtime, True
+        state.settle(runtime, charge, self.effective_weights()[tier], correct=self.mode == "time")
 
     def empty(self, tier: Tier) -> None:
         """Fetching from ``tier`` found nothing: it stops banking virtual time.
@@ -256,8 +242,7 @@ class TierScheduler:
             self.hand_off = None
         state = self.tiers[tier]
         busy = [s.vtime for t, s in self.tiers.items() if t is not tier and t in self.served and not s.idle]
-        state.vtime = max(state.vtime, min(busy) if busy else self.vclock)
-        state.idle = True
+        state.lift(min(busy) if busy else self.vclock)
 
     def set_served(self, tiers: Iterable[Tier]) -> None:
         self.served = frozenset(tiers)

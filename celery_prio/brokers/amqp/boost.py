@@ -56,8 +56,8 @@ from ...headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ...policy.superseded import PENDING_FOR
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import Boost
-from ..redis.boost import boost_lane
+from ..base import Boost, Booster
+from ..shared import boost_lane
 from .continuations import _aging_expiration
 from .registry import passive_declares, read_to_marker
 
@@ -192,7 +192,7 @@ class _AllAnswered(Exception):
     """Raised from the reply callback to stop collecting once every counted worker answered."""
 
 
-class AmqpBooster:
+class AmqpBooster(Booster):
     def __init__(self) -> None:
         self._lock = threading.Lock()  # one boost at a time: concurrent boosts of one id publish one copy
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import Continuation
+from ..base import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
 
 
-class AmqpContinuations(ProcessConnection):
+class AmqpContinuations(ProcessConnection, Continuations):
     # A channel is either in confirm mode or in a transaction: this connection's are not in confirm mode.
     transport_options = {"confirm_publish": False}
 

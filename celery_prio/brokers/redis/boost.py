@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...errors import ConfigError
 from ...headers import BOOSTED_HEADER
 from ...policy.aging import readdress
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ..base import Boost
-from ..shared import tier_queues
+from ..base import Boost, Booster
+from ..shared import boost_lane, tier_queues
 from .continuations import RedisContinuations
 from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
 
@@ -31,15 +30,7 @@ SCAN_OVERLAP = 100
 MOVE_TRIES = 3
 
 
-def boost_lane(settings: PrioSettings, tier: Tier) -> str:
-    """The queue a task lifted into ``tier`` goes to (its front lane, served before the tier's queue)."""
-    lane = settings.front_lanes().get(tier)
-    if lane is None:
-        raise ConfigError(f"celery_prio.boost(): tier {tier.label!r} has no front lane; boosts need prio_inherit=True")
-    return lane
-
-
-class RedisBooster:
+class RedisBooster(Booster):
     def __init__(self, connections: RedisContinuations) -> None:
         self.connections = connections  # one connection per process, and the sub-queue listing
         self._scripts: dict[str, Any] = {}

@@ -8,12 +8,12 @@ from typing import Any
 
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import Continuation
+from ..base import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
 from .transport import pending_marker
 
 
-class RedisContinuations(ProcessConnection):
+class RedisContinuations(ProcessConnection, Continuations):
     every_task_sjf = True  # one pipelined LLEN each: a missing list costs nothing
 
     def _client(self, app: Any) -> Any:

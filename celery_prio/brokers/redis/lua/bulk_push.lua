@@ -1,0 +1,35 @@
+-- Publish many messages to one tier list in one call, under its cap.
+-- ``reject``: push while the list is below the cap, stop at the first that
+-- does not fit (the caller reports how many went in). ``drop_oldest``: push
+-- all, evicting the oldest to the dead letters as needed.
+-- KEYS: tier list, dead list, stats hash.
+-- ARGV: cap (-1 = none), policy, tier label, now, then the messages.
+-- Returns {accepted, depth after}.
+--#include dead_entry
+
+local cap = tonumber(ARGV[1])
+local n = redis.call('LLEN', KEYS[1])
+local count = #ARGV - 4
+if cap < 0 or n + count <= cap then  -- room for all: one LPUSH
+  redis.call('LPUSH', KEYS[1], unpack(ARGV, 5))
+  return {count, n + count}
+end
+local accepted, evicted = 0, 0
+for i = 5, #ARGV do
+  if cap >= 0 and n >= cap then
+    if ARGV[2] ~= 'drop_oldest' then
+      redis.call('HINCRBY', KEYS[3], 'rejected:' .. ARGV[3], #ARGV - i + 1)
+      break
+    end
+    local old = redis.call('LINDEX', KEYS[1], -1)
+    redis.call('LPUSH', KEYS[2], dead_entry(old, 'drop_oldest', ARGV[3], ARGV[4], KEYS[1]))
+    redis.call('RPOP', KEYS[1])
+    evicted = evicted + 1
+    n = n - 1
+  end
+  redis.call('LPUSH', KEYS[1], ARGV[i])
+  n = n + 1
+  accepted = accepted + 1
+end
+if evicted > 0 then redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[3], evicted) end
+return {accepted, n}

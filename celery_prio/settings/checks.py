@@ -1,0 +1,101 @@
+"""Checks for ``prio_*`` values: each returns the value in its parsed form or raises ``ConfigError``
+naming the setting and the value. Per-tier settings accept a dict keyed by any tier alias."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from ..tiers import Tier, parse_tier
+from .table import DEFAULTS, QUEUE_TYPES
+
+
+def per_tier(name: str, value: Any, default: Mapping[str, Any]) -> dict[Tier, Any]:
+    """Merge a user's per-tier dict over the defaults, keyed by Tier."""
+    merged = {parse_tier(k): v for k, v in default.items()}
+    if value is None:
+        return merged
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"prio_{name} must be a dict keyed by tier (realtime/batch/offline), got {value!r}")
+    for key, item in value.items():
+        try:
+            merged[parse_tier(key)] = item
+        except ValueError as exc:
+            raise ConfigError(f"prio_{name}: {exc}") from None
+    return merged
+
+
+def number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= minimum if inclusive else value > minimum
+    if not ok:
+        bound = f">= {minimum}" if inclusive else f"> {minimum}"
+        raise ConfigError(f"prio_{name} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def per_tier_numbers(name: str, raw: Mapping[str, Any], *, minimum: float, inclusive: bool = True) -> dict[Tier, float]:
+    """A per-tier setting whose every value is a number (``prio_<name>[<tier>]`` named in errors)."""
+    return {
+        t: number(f"{name}[{t.label}]", v, minimum=minimum, inclusive=inclusive)
+        for t, v in per_tier(name, raw[name], DEFAULTS[name]).items()
+    }
+
+
+def whole(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"prio_{name} must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def optional_positive_whole(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"prio_{name} must be a whole number >= 1 or None, got {value!r}")
+    return value
+
+
+def optional_secret(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) < 16):
+        raise ConfigError(f"prio_{name} must be a string of at least 16 characters or None")  # value not shown
+    return value
+
+
+def optional_path(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"prio_{name} must be a file path or None, got {value!r}")
+    return value
+
+
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"prio_{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
+    return value
+
+
+def queue_type(value: Any, conf: Mapping[str, Any]) -> str:
+    source = "prio_queue_type"
+    if value is None:
+        value, source = conf.get("task_default_queue_type") or "classic", "task_default_queue_type"
+    if value not in QUEUE_TYPES:
+        raise ConfigError(f"{source} must be one of {QUEUE_TYPES}, got {value!r}")
+    return value
+
+
+def caps(name: str, value: Any) -> dict[Tier, int | None]:
+    caps: dict[Tier, int | None] = {}
+    for t, v in per_tier(name, value, DEFAULTS[name]).items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"prio_{name}[{t.label}] must be an int >= 1 or None, got {v!r}")
+        caps[t] = v
+    return caps

@@ -1,0 +1,146 @@
+"""The package's layout shows its architecture, and these rules keep it that way.
+
+Read from the source with ``ast`` (every import, those inside functions
+too): no import cycle at any depth; the pure policy imports no Celery, kombu
+or broker client; producer and worker code never import each other; the
+broker packages never import each other nor anything above them; no library
+module grows past 450 lines; the broker interfaces are typed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "celery_prio"
+MAX_LINES = 450
+BROKER_CLIENTS = ("celery", "kombu", "redis", "amqp")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, path: Path) -> tuple[set[str], set[str]]:
+    """``(modules of ours it imports, top-level third-party packages it imports)``."""
+    ours, theirs = set(), set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            targets = submodules if len(submodules) == len(node.names) else [base, *submodules]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] != "celery_prio":
+                theirs.add(target.split(".")[0])
+                continue
+            while target not in MODULES and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != module:
+                ours.add(target)
+    return ours, theirs
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_import_cycle_at_any_depth():
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v][0]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in GRAPH:
+        if module not in index:
+            visit(module)
+    assert cycles == []
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("celery_prio.brokers.redis", "celery_prio.brokers.amqp"),
+        ("celery_prio.brokers.amqp", "celery_prio.brokers.redis"),
+        ("celery_prio.producer", "celery_prio.worker"),
+        ("celery_prio.worker", "celery_prio.producer"),
+        ("celery_prio.brokers", "celery_prio.producer"),
+        ("celery_prio.brokers", "celery_prio.worker"),
+        ("celery_prio.brokers", "celery_prio.ops"),
+        ("celery_prio.policy", "celery_prio.brokers"),
+        ("celery_prio.policy", "celery_prio.producer"),
+        ("celery_prio.policy", "celery_prio.worker"),
+        ("celery_prio.settings", "celery_prio.policy"),
+    ],
+)
+def test_layers_import_only_downwards(package, forbidden):
+    wrong = sorted(
+        (m, t) for m, (ours, _) in GRAPH.items() if _within(m, package) for t in ours if _within(t, forbidden)
+    )
+    assert wrong == []
+
+
+def test_the_policy_is_pure():
+    impure = sorted(
+        (m, t)
+        for m, (_, theirs) in GRAPH.items()
+        if _within(m, "celery_prio.policy")
+        for t in theirs
+        if t in BROKER_CLIENTS
+    )
+    assert impure == []
+
+
+def test_no_library_module_is_over_450_lines():
+    library = {m: p for m, p in MODULES.items() if not m.startswith(("celery_prio.example", "celery_prio.tools"))}
+    long = {m: n for m, p in library.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_the_broker_interfaces_name_their_types():
+    source = (PACKAGE / "brokers" / "base.py").read_text()
+    assert "Any" not in {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
