@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_prio.tools.bench import Workload, best_of, percentile, run_mixed, summarize
+from celery_prio.tools.bench.core import Workload, best_of, percentile, run_mixed, summarize
 from tests.conftest import need_broker
 
 

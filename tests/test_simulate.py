@@ -11,8 +11,8 @@ from celery_prio.ops.simulate import simulate
 from celery_prio.ops.workload import RunTime, Stream, Workload, parse_override, workload_of
 from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
-from celery_prio.tools.bench import NO_CAPS, run_mixed
-from celery_prio.tools.bench import Workload as BenchWorkload
+from celery_prio.tools.bench.core import NO_CAPS, run_mixed
+from celery_prio.tools.bench.core import Workload as BenchWorkload
 from tests.conftest import need_broker
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
