@@ -23,9 +23,12 @@ PROMOTED_SUFFIX = ".promoted"
 #: the n-th resumption, and when the first run was published (waits and aging
 #: count from there).
 SLICE_HEADER = "prio_slice"
-#: Broker key/queue recording how many continuations of a task id were
-#: committed; a copy of an earlier generation is stale and is acked unrun.
+#: Redis: the key recording how many continuations of a task id were
+#: committed (``<prefix>.slice.<id>``); a copy of an earlier generation is stale and is acked unrun.
 SLICE_MARKER_SUFFIX = ".slice."
+#: RabbitMQ: a record of the slices journal (``<prefix>.slices``): the task id and the generation committed.
+SLICE_ID = "slice"
+SLICE_GENERATION = "gen"
 
 #: The tiers a task was lifted from by ``celery_prio.boost`` (priority inheritance at run time), oldest first.
 BOOSTED_HEADER = "prio_boosted_from"

@@ -114,17 +114,15 @@ class _SliceRun:
         marker = getattr(request, SLICE_HEADER, None) or headers.get(SLICE_HEADER) or {}
         generation = marker.get("gen", 0) if isinstance(marker, dict) else 0
         generation = generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
-        if _is_redelivered(request) or generation:
-            committed = app._celery_prio_publishing.continuations.committed(app, settings, request.id)
-            if committed > generation:
-                logger.info(
-                    "celery-prio: %s[%s] generation %d was already continued (%d): stale copy acked unrun",
-                    task.name,
-                    request.id,
-                    generation,
-                    committed,
-                )
-                raise Ignore()
+        continuations = app._celery_prio_publishing.continuations
+        if continuations.stale(app, settings, request.id, generation, _is_redelivered(request)):
+            logger.info(
+                "celery-prio: %s[%s] generation %d was already continued: stale copy acked unrun",
+                task.name,
+                request.id,
+                generation,
+            )
+            raise Ignore()
         slice_length = settings.slice[tier]
         if slice_length is None:
             return None
@@ -199,8 +197,11 @@ class _SliceRun:
 
 
 def _is_redelivered(request: Any) -> bool:
-    info = request.delivery_info or {}
-    return bool(info.get("redelivered") or (request.headers or {}).get("redelivered"))
+    """Given back to its queue once (its worker died before the ack), or dead-lettered on the way (RabbitMQ's
+    ``x-death``: aged into the tier above): only such a copy can be older than a committed continuation."""
+    info, headers = request.delivery_info or {}, request.headers or {}
+    died = getattr(request, "x-death", None) or headers.get("x-death")
+    return bool(info.get("redelivered") or headers.get("redelivered") or died)
 
 
 def _check_argument(task: Any, name: str) -> None:

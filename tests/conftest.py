@@ -178,6 +178,7 @@ def amqp_app_queues(adapter, settings) -> list[str]:
     names = adapter.subqueues(settings)
     names += [settings.presence_queue(t) for t in TIERS]
     names += [settings.subqueue_registry, f"{settings.queue_prefix}.fleet", f"{settings.queue_prefix}.boosts"]
+    names += [f"{settings.queue_prefix}.slices"]  # the sliced tasks' journal
     return names
 
 

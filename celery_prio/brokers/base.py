@@ -130,6 +130,19 @@ class FetchSource(ABC):
     def stop(self) -> None:  # noqa: B027 - sources that hold nothing have nothing to give back
         """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
 
+    def attach_loop(self, hub: object) -> None:  # noqa: B027 - a source that never blocks needs no loop
+        """The worker's event loop (kombu's Hub), for a source that waits on the broker while idle."""
+
+    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[object]:
+        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (one the worker serves),
+        oldest first, each recorded as this worker's like any fetch. None available: an empty list."""
+        return []
+
+    def wait_for_work(self, order: list[Tier]) -> bool:
+        """Every queue of ``order`` was empty: wait on the broker and call ``on_arrival`` when work may have
+        come (or after about a second). False where this source cannot: the fetch loop polls instead."""
+        return False
+
     def prepare_subqueues(self, names: list[str]) -> None:  # noqa: B027 - most brokers need nothing
         """Make sure the sub-queues ``names`` exist before they are asked (RabbitMQ: asking a missing one fails)."""
 
@@ -163,9 +176,11 @@ class FetchSource(ABC):
         """Jobs this broker needs on the worker's loop (``dispatched`` gives the counts per tier so far)."""
         return []
 
-    def broker_figures(self, now: float) -> BrokerFigures:
-        """Counters, oldest ages and depths, for the worker report. Called on the worker's loop."""
-        return BrokerFigures(depth=self.served_depths(), read_at=now, dead_letters=self.dead_letter_depth())
+    def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
+        """Counters, oldest ages and depths, for the worker report. Called on the worker's loop. ``idle``: the
+        worker found every queue it serves empty and waits on the broker, so their depths are not asked."""
+        depth = dict.fromkeys(self.served.tiers, 0) if idle else self.served_depths()
+        return BrokerFigures(depth=depth, read_at=now, dead_letters=self.dead_letter_depth())
 
     def dead_letter_depth(self) -> int | None:
         """Length of the dead-letter queue (read for the report and its metric)."""
@@ -275,6 +290,11 @@ class Continuations(ABC):
     @abstractmethod
     def committed(self, app: Celery, settings: PrioSettings, task_id: str) -> int:
         """How many continuations of ``task_id`` were committed (a copy of an earlier generation is stale)."""
+
+    def stale(self, app: Celery, settings: PrioSettings, task_id: str, generation: int, redelivered: bool) -> bool:
+        """Whether this copy of ``task_id`` (its ``generation``; ``redelivered``: given back to its queue once, or
+        dead-lettered, before) is older than a committed continuation: then it is acked unrun."""
+        return (redelivered or generation > 0) and self.committed(app, settings, task_id) > generation
 
     @abstractmethod
     def waiting(self, app: Celery, settings: PrioSettings, tier: Tier) -> int:

@@ -27,16 +27,47 @@ class Malformed:
     reason: str
 
 
+class MemoryDoorbell:
+    """The in-process broker's doorbells (as Redis' ``doorbell.py``): idle sources wait on their tiers, and each
+    message put into a tier wakes the source that has waited longest on it."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[MemoryFetchSource, frozenset[Tier]]] = []
+
+    def wait(self, source: MemoryFetchSource, tiers: list[Tier]) -> None:
+        self.leave(source)
+        self.waiting.append((source, frozenset(tiers)))
+
+    def leave(self, source: MemoryFetchSource) -> None:
+        self.waiting = [(s, t) for s, t in self.waiting if s is not source]
+
+    def ring(self, tier: Tier) -> None:
+        for i, (source, tiers) in enumerate(self.waiting):
+            if tier in tiers:
+                del self.waiting[i]
+                source.on_arrival()
+                return
+
+
 class MemoryFetchSource(FetchSource):
-    def __init__(self, served: ServedQueues, settings: PrioSettings) -> None:
+    def __init__(self, served: ServedQueues, settings: PrioSettings, doorbell: MemoryDoorbell | None = None) -> None:
         super().__init__(served, settings)
         self.queues: dict[str, deque[Any]] = defaultdict(deque)
         self.dead: list[tuple[Any, str, Tier]] = []
+        self.doorbell = doorbell  # None: an idle source is polled, as before doorbells
 
     def publish(self, queue: str, *messages: Any) -> None:
         self.queues[queue].extend(messages)
 
+    def wait_for_work(self, order: list[Tier]) -> bool:
+        if self.doorbell is None:
+            return False
+        self.doorbell.wait(self, order)
+        return True
+
     def take(self, order: list[Tier]) -> Take:
+        if self.doorbell is not None:
+            self.doorbell.leave(self)  # fetching: no longer waiting
         empty: list[Tier] = []
         passed: list[str] = []
         for tier in order:

@@ -3,8 +3,9 @@
 ``celery -A app prio simulate SPEC`` replays a workload against the app's
 settings and against alternatives, side by side. What runs is the worker's
 own code — :class:`~celery_prio.worker.fetchloop.FetchLoop` (one message per free
-slot, the idle back-off), :class:`~celery_prio.policy.scheduler.TierScheduler` (time
-shares, reserve, floor, cold start, preemption of sliced tasks) and
+slot; an idle worker waits on its tiers' doorbells),
+:class:`~celery_prio.policy.scheduler.TierScheduler` (time shares, reserve,
+floor, cold start, preemption of sliced tasks) and
 :class:`~celery_prio.policy.served.ServedQueues` (front lanes) — against the
 in-memory broker, with a simulated event loop instead of the worker's hub.
 Modelled around it: several workers sharing the queues, Poisson arrivals and
@@ -30,7 +31,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..brokers.memory import MemoryFetchSource
+from ..brokers.memory import MemoryDoorbell, MemoryFetchSource
 from ..policy.scheduler import TierScheduler
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
@@ -116,7 +117,7 @@ class _Worker:
         settings, workload = sim.settings, sim.workload
         self.sim = sim
         self.served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
-        self.source = MemoryFetchSource(self.served, settings)
+        self.source = MemoryFetchSource(self.served, settings, sim.doorbell)
         self.source.queues = sim.queues  # one broker for every worker
         self.scheduler = TierScheduler(
             weights=settings.weights,
@@ -168,7 +169,7 @@ class _Worker:
             # celery_prio.slices: the continuation goes to the tier's front lane, the slot to the waiting tier.
             sim.results[tier].yields += 1
             self._release(tier, task, began)
-            sim.queues[sim.settings.front_lanes()[tier]].append(task)
+            sim.put(sim.settings.front_lanes()[tier], task, tier)
             return
         sim.loop.call_later(per, self._element_done, tier, task, began, per)
 
@@ -220,6 +221,7 @@ class Simulation:
         self.settings = settings
         self.loop = SimLoop()
         self.queues: dict[str, deque] = defaultdict(deque)
+        self.doorbell = MemoryDoorbell()  # idle workers block on it, as on real brokers (no poll)
         self.results = {t: TierResult() for t in TIERS}
         self.rng = random.Random(workload.seed)
         self._keys = itertools.count()
@@ -229,7 +231,12 @@ class Simulation:
         run_time = stream.seconds.sample(self.rng) if seconds is None else seconds
         task = Task(next(self._keys), stream, run_time, self.loop.now, stream.tier, stream.elements)
         self.results[stream.tier].arrived += 1
-        self.queues[self.settings.queue_name(stream.tier)].append(task)
+        self.put(self.settings.queue_name(stream.tier), task, stream.tier)
+
+    def put(self, queue: str, task: Task, tier: Tier) -> None:
+        """Into ``queue`` of ``tier``, ringing the tier's doorbell (the publish, aging and yield scripts do)."""
+        self.queues[queue].append(task)
+        self.doorbell.ring(tier)
 
     def _age(self) -> None:
         now = self.loop.now
@@ -244,7 +251,7 @@ class Simulation:
                     task = queue.popleft()
                     task.tier = tier.promoted()
                     self.results[tier].promoted += 1
-                    self.queues[upper].append(task)
+                    self.put(upper, task, tier.promoted())
         self.loop.call_later(self.settings.aging_interval, self._age)
 
     def _arrivals(self) -> None:

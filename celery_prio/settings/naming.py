@@ -58,6 +58,15 @@ class QueueNames:
         """RabbitMQ: the queue whose consumers are the workers serving ``tier`` (it never holds a message)."""
         return f"{self.queue_prefix}.serving.{tier.label}"
 
+    def bell_key(self, tier: Tier) -> str:
+        """Redis list: the tier's doorbell, rung by every publish into it; idle workers block on it (BLPOP)."""
+        return f"{self.queue_prefix}.bell.{tier.label}"
+
+    @property
+    def housekeeper_key(self) -> str:
+        """The fleet's housekeeper lease (Redis: a key set with ``PX``; RabbitMQ: a queue holding one token)."""
+        return f"{self.queue_prefix}.housekeeper"
+
     @property
     def owners_key(self) -> str:
         """Redis hash: delivery tag -> the worker that fetched it (``worker|tier|fetched at``)."""

@@ -65,6 +65,8 @@ class FetchLoop:
         self._timer: Any = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
         self._wake_pending = False
+        #: Since when the worker has found nothing to fetch and waits on the broker (None while it fetches).
+        self.idle_since: float | None = None
         source.on_arrival = self.wake
         source.free_slots = scheduler.free_slots
 
@@ -82,10 +84,14 @@ class FetchLoop:
         self.source.stop()
 
     def wake(self) -> None:
-        """A message was pushed to the source: pump on the next loop turn (once, however many arrive)."""
+        """A message was pushed to the source: pump on the next loop turn (once, however many arrive).
+
+        A timer due now, not ``call_soon``: kombu's hub runs what ``call_soon`` adds from inside a ready
+        callback only after its next poll, which an idle worker blocked on the broker may sit in for a
+        second; a due timer fires in the same turn."""
         if self.active and not self._wake_pending:
             self._wake_pending = True
-            self.loop.call_soon(self._woken)
+            self.loop.call_later(0, self._woken)
 
     def _woken(self) -> None:
         self._wake_pending = False
@@ -127,8 +133,13 @@ class FetchLoop:
             if take.message is None:
                 if take.dead_lettered:
                     continue
-                self._retry_later()
+                # Idle: block on the broker where the source can (woken by the next arrival), else poll.
+                if self.idle_since is None:
+                    self.idle_since = self.clock()
+                if not self.source.wait_for_work(order):
+                    self._retry_later()
                 return
+            self.idle_since = None
             self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
             self.fetching, self.fetching_queue = take.tier, take.queue
             try:

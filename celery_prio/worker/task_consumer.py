@@ -66,6 +66,7 @@ class TierFetcher:
         self.source = fetch_source_for(
             consumer.app, consumer.connection, self.served, settings, f"{consumer.hostname}#{INCARNATION}"
         )
+        self.source.attach_loop(self.hub)
         concurrency = self._concurrency()
         self.scheduler = TierScheduler(
             weights=settings.weights,
@@ -95,6 +96,7 @@ class TierFetcher:
         self.board = board()
         self._handler: Any = None  # Celery's task handler (``on_message``)
         self._housekeeping: list[Any] = []
+        self._slice_timer: Any = None  # the next slice check, while tasks run
         self._settle_scheduled = False
         for queue in consumer.app.amqp.queues.consume_from.values():
             self.add_queue(queue)
@@ -159,7 +161,6 @@ class TierFetcher:
             # (revoked before they ran, cancelled): retire them anyway.
             Job(RECONCILE_INTERVAL, self._settle, "settle ended requests"),
             Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
-            Job(SLICE_CHECK_INTERVAL, self._check_slices, "tell sliced tasks whom they yield to"),
             Job(self.source.discovery_interval, self._discover_subqueues, "discover sub-queues"),
             Job(UNSERVED_CHECK_INTERVAL, self._check_unserved, "look for queues nobody serves"),
             *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
@@ -173,6 +174,9 @@ class TierFetcher:
         for entry in self._housekeeping:
             self.hub.timer.cancel(entry)
         self._housekeeping.clear()
+        if self._slice_timer is not None:
+            self.hub.timer.cancel(self._slice_timer)
+            self._slice_timer = None
 
     def close(self) -> None:
         # The channel closes with the connection; closing it here would make
@@ -192,6 +196,7 @@ class TierFetcher:
     def _update_served(self) -> None:
         self.served.set_names(q.name for q in self.queues)
         self.scheduler.set_served(self.served.tiers)
+        self.loop.wake()  # an idle worker waits on the queues it served until now: fetch from the new set
 
     def track(self, request: Any) -> None:
         """Called for every request Celery hands to the pool."""
@@ -199,6 +204,8 @@ class TierFetcher:
         if tier is None:  # an ETA or rate-limited request whose time has come
             tier = self.served.tier_of((request.delivery_info or {}).get("routing_key") or "")
         self.loop.started(request, tier)
+        if self._slice_timer is None and self.loop.active:
+            self._slice_timer = self.hub.call_later(SLICE_CHECK_INTERVAL, self._check_slices)
 
     def slot_freed(self) -> None:
         """A pool job ended (any thread): settle and refill from the event loop.
@@ -223,11 +230,17 @@ class TierFetcher:
 
     def _check_slices(self) -> None:
         """Tell running sliced tasks which higher tiers they yield to (no broker call here); and learn which
-        running tasks are blocked waiting on other work (``celery_prio.wait``)."""
+        running tasks are blocked waiting on other work (``celery_prio.wait``).
+
+        Every ``SLICE_CHECK_INTERVAL`` while tasks run, and not at all while none does (a task's start arms
+        it again): an idle worker's event loop sleeps."""
+        self._slice_timer = None
         self.scheduler.blocked = self.board.waiting()
         sliced = self.board.active_tiers(time.monotonic() - SLICE_ACTIVE_WINDOW)
         preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
         self.board.set_preemptors(preemptors)
+        if len(self.loop.ledger) and self.loop.active:
+            self._slice_timer = self.hub.call_later(SLICE_CHECK_INTERVAL, self._check_slices)
 
     def _discover_subqueues(self) -> None:
         names = self.source.discover_subqueues()
@@ -264,7 +277,11 @@ class TierFetcher:
             )
 
     def _read_figures(self) -> None:
-        self.figures = self.source.broker_figures(time.monotonic())
+        """Broker-wide figures for the report, every ``FIGURES_INTERVAL``. While the worker is idle (every
+        queue it serves found empty, waiting on the broker) their depths are known to be zero and are not
+        asked: an idle worker reads only the counters and the dead letters."""
+        idle = self.loop.idle_since is not None and not len(self.loop.ledger)
+        self.figures = self.source.broker_figures(time.monotonic(), idle=idle)
 
     def dead_letter(self, message: Any, reason: str) -> None:
         """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""

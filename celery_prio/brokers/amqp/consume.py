@@ -219,6 +219,10 @@ class AmqpConsumeSource(AmqpFetchSource):
         take.empty = tuple(t for t in take.empty if t not in coming)
         return take
 
+    def wait_for_work(self, order: list[Tier]) -> bool:
+        """Its tier queues and front lanes are pushed already; its sub-queues are polled as before."""
+        return False
+
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         return [

@@ -1,4 +1,15 @@
-"""Continuations of sliced tasks on RabbitMQ."""
+"""Continuations of sliced tasks on RabbitMQ, recorded in one stream for the whole app.
+
+A run that yields publishes its continuation and, in the same AMQP
+transaction, appends ``{task id, generation}`` to the stream
+``<prefix>.slices``; only then is its own message acked. A crash between
+the two leaves the original in its queue, and RabbitMQ gives it back marked
+redelivered (or, aged through a dead-letter exchange, with ``x-death``).
+Only such a copy can be stale, so only such a copy reads the stream (to a
+marker appended then, so nothing committed before is missed) for its id: a
+check per crash, not per continuation, and no queue per task. The stream
+keeps a day of records (``MARKER_TTL``) and at most ``JOURNAL_MAX_BYTES``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +18,35 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...headers import SLICE_GENERATION, SLICE_ID
 from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import Continuation, Continuations
-from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
+from ..shared import MARKER_TTL, ProcessConnection, tier_queues
+from .registry import read_to_marker
+
+#: The slices journal keeps at most this many bytes (its records are about 100 bytes each).
+JOURNAL_MAX_BYTES = 64 * 1024 * 1024
+#: Seconds a stale-copy check may wait for the journal's next record (a long journal is read to its end).
+JOURNAL_READ_TIMEOUT = 10.0
+
+
+def journal_name(settings: PrioSettings) -> str:
+    return f"{settings.queue_prefix}.slices"
+
+
+def declare_journal(channel: Any, settings: PrioSettings) -> None:
+    channel.queue_declare(
+        queue=journal_name(settings),
+        durable=True,
+        auto_delete=False,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": f"{MARKER_TTL}s",
+            "x-max-length-bytes": JOURNAL_MAX_BYTES,
+            "x-stream-max-segment-size-bytes": JOURNAL_MAX_BYTES // 8,  # retention drops whole segments
+        },
+    )
 
 
 class AmqpContinuations(ProcessConnection, Continuations):
@@ -55,32 +91,50 @@ class AmqpContinuations(ProcessConnection, Continuations):
     def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
         from kombu import Producer
 
-        marker = marker_name(settings, continuation.task_id)
         options = _aging_expiration(settings, continuation.tier, continuation.enqueued_at)
+        record = {SLICE_ID: continuation.task_id, SLICE_GENERATION: continuation.generation, "at": time.time()}
 
         def work(channel: Any) -> None:
-            channel.queue_declare(
-                queue=marker, durable=True, auto_delete=False, arguments={"x-expires": MARKER_TTL * 1000}
-            )
+            declare_journal(channel, settings)
             channel.tx_select()
             continuation.send(Producer(channel, auto_declare=False), **options)
             channel.basic_publish(
-                channel.prepare_message(b"", properties={"delivery_mode": 2}), exchange="", routing_key=marker
+                channel.prepare_message(b"", properties={"delivery_mode": 2}, headers=record),
+                exchange="",
+                routing_key=journal_name(settings),
             )
             channel.tx_commit()
 
         self._with_channel(app, work)
 
     def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
-        from amqp.exceptions import NotFound
+        """The highest generation the journal holds for ``task_id`` (read to its end: exact, and costs a read
+        of the journal; asked only after a crash)."""
+        highest = 0
 
-        def work(channel: Any) -> int:
-            try:
-                return channel.queue_declare(queue=marker_name(settings, task_id), passive=True).message_count
-            except NotFound:
-                return 0
+        def on_record(headers: dict) -> None:
+            nonlocal highest
+            generation = headers.get(SLICE_GENERATION)
+            if headers.get(SLICE_ID) == task_id and isinstance(generation, int) and not isinstance(generation, bool):
+                highest = max(highest, generation)
 
-        return self._with_channel(app, work)
+        conn = self.connection(app)
+        try:
+            read_to_marker(
+                conn.connection,
+                journal_name(settings),
+                lambda channel: declare_journal(channel, settings),
+                on_record,
+                JOURNAL_READ_TIMEOUT,
+            )
+        except conn.connection_errors:
+            self.forget()
+            raise
+        return highest
+
+    def stale(self, app: Any, settings: PrioSettings, task_id: str, generation: int, redelivered: bool) -> bool:
+        # A copy that never went back to its queue is the one the last run published: never stale.
+        return redelivered and self.committed(app, settings, task_id) > generation
 
     def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""

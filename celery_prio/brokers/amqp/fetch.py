@@ -14,6 +14,7 @@ from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import FetchSource, Take
 from .admin import listed_subqueues
+from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .registry import Presence, RegistryFollower, existing_depths, serving_counts
 from .topology import declare_subqueue, declare_tier_queues, quorum_arguments
 
@@ -31,6 +32,8 @@ PROBE_FRACTION = 1 / 10
 # a thousand cost a worker this many round trips a second, not a thousand per fetch.
 IDLE_PROBE_BUDGET = 200.0
 
+#: Tries at reading the boost journal when a worker joins (a connection the broker closes is tried again).
+JOURNAL_READ_TRIES = 3
 #: At most this many ``basic_get`` in one round trip (queues found empty, then one that had work).
 PIPELINE_MAX = 8
 
@@ -77,6 +80,10 @@ class AmqpFetchSource(FetchSource):
         # A message that rides along behind the one taken goes back with basic_reject, which a quorum
         # queue counts toward its delivery limit: there, every queue is asked on its own.
         self._pipeline_max = 1 if settings.queue_type == "quorum" else PIPELINE_MAX
+        # Idle: consumers instead of polling (``idle.py``); not on quorum queues (a give-back counts there).
+        self.idle = IdleWait(lambda: self.on_arrival()) if settings.queue_type != "quorum" else None
+        self._hub: Any = None
+        self._recheck: Any = None  # the idle safety net's timer
 
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
@@ -90,12 +97,88 @@ class AmqpFetchSource(FetchSource):
         RabbitMQ puts it back where it was).
         """
         self._follow_registry()
+        idle = self.idle
         now = time.monotonic()
         plan: list[tuple[Tier, str]] = []
+        known_empty: list[tuple[Tier, str]] = []  # watched by an idle consumer that was pushed nothing
+        held: tuple[Tier, str] | None = None  # the first queue in asking order with a message pushed while idle
         for tier in order:
-            plan.extend((tier, c.name) for c in self.served.candidates(tier) if not self._skip(c.name, now))
-        found, asked = self._first_found(plan, now)
-        return self._take_found(found, asked)
+            for c in self.served.candidates(tier):
+                if idle is not None and idle.holds(c.name):
+                    held = (tier, c.name)
+                    break
+                if idle is not None and idle.watches(c.name):
+                    known_empty.append((tier, c.name))
+                elif not self._skip(c.name, now):
+                    plan.append((tier, c.name))
+            if held is not None:
+                break
+        found, asked = self._first_found(plan, now)  # what is not watched is still asked, pushed message or not
+        if found is None and held is not None:
+            self._empty_at.pop(held[1], None)
+            found = (*held, idle.take(held[1]))
+        if idle is not None:
+            idle.give_back()  # whatever else was pushed goes back: nothing is held
+            if found is not None and self.free_slots() <= 1:
+                self._end_idle()  # this message fills the last free slot: nothing may be pushed to a busy worker
+        rank = {tier: i for i, tier in enumerate(order)}
+        looked = sorted(asked + known_empty, key=lambda tq: rank[tq[0]])  # stable: asking order inside a tier
+        if found is not None:  # the empty ones before it in asking order
+            looked = [tq for tq in looked if rank[tq[0]] <= rank[found[0]]]
+        return self._take_found(found, looked)
+
+    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[Any]:
+        """Up to ``count`` more messages of ``task`` from ``queue`` (a batch): ``basic_get`` pipelined, one
+        round trip. One of another task (nothing routes one there, but anyone can publish) goes back."""
+        out: list[Any] = []
+        window, stop = min(count, self._pipeline_max), False
+        while len(out) < count and not stop:
+            for raw in self.get_many([queue] * min(window, count - len(out))):
+                if raw is None:
+                    stop = True
+                elif stop or (raw.properties.get("application_headers") or {}).get("task") != task:
+                    stop = True  # it and whatever rode along behind it go back, in order
+                    self.channel.basic_reject(raw.delivery_tag, requeue=True)
+                elif (message := self._to_python(raw, queue)) is not None:
+                    out.append(message)
+        return out
+
+    def attach_loop(self, hub: Any) -> None:
+        self._hub = hub
+
+    def wait_for_work(self, order: list[Tier]) -> bool:
+        """Idle: a consumer on each of ``order``'s queues (``idle.py``); RabbitMQ pushes the next arrival."""
+        if self.idle is None or self._hub is None:
+            return False
+        queues = self._queues_of(order)
+        self.idle.start(self.channel, queues[:IDLE_CONSUMERS_MAX])
+        if len(queues) > IDLE_CONSUMERS_MAX and self._recheck is None:  # the rest are asked now and then
+            self._recheck = self._hub.call_later(IDLE_RECHECK, self._recheck_idle)
+        return True
+
+    def _queues_of(self, order: list[Tier]) -> list[str]:
+        return [c.name for tier in order for c in self.served.candidates(tier)]
+
+    def _recheck_idle(self) -> None:
+        self._recheck = None
+        self.on_arrival()
+
+    def _end_idle(self) -> None:
+        if self._recheck is not None:
+            self._hub.timer.cancel(self._recheck)
+            self._recheck = None
+        if self.idle is not None:
+            self.idle.end()
+
+    def stop(self) -> None:
+        self._end_idle()
+        if self.idle is not None:
+            self.idle.stop()
+
+    @property
+    def held(self) -> int:
+        """Messages pushed while idle and not yet taken (normally none: the next fetch takes or returns them)."""
+        return 0 if self.idle is None else self.idle.held
 
     def _first_found(
         self, plan: list[tuple[Tier, str]], now: float
@@ -147,6 +230,9 @@ class AmqpFetchSource(FetchSource):
     discovery_interval = 1.0
     #: After the management API did not answer, it is asked again only after this many seconds: it is optional.
     LISTING_RETRY = 60.0
+    #: Seconds between listings where it answers (a listing is costly for RabbitMQ; the registry already
+    #: pushes every new sub-queue, and idle workers ask no queue at all).
+    LISTING_INTERVAL = 30.0
 
     def prepare_subqueues(self, names: list[str]) -> None:
         for name in names:
@@ -187,6 +273,7 @@ class AmqpFetchSource(FetchSource):
                 self._listing_retry_at = now + self.LISTING_RETRY
                 self._listed_empty = set()
             else:
+                self._listing_retry_at = now + self.LISTING_INTERVAL
                 self._listed_empty = {name for name, ready in listing if ready == 0}
                 fresh = [name for name, _ in listing if name not in self._declared]
                 self._declared.update(fresh)  # listed: it exists
@@ -196,9 +283,13 @@ class AmqpFetchSource(FetchSource):
         return self.served.discovered
 
     def _restart_follower(self) -> None:
+        connection = self.channel.connection
+        # Read before the call: a connection the broker closes (RabbitMQ 3.10 can answer INTERNAL_ERROR to
+        # streams declared by many workers at once) leaves the channel without it.
+        errors = connection.connection_errors
         try:
-            self.follower.start(self.channel.connection)
-        except self.channel.connection.connection_errors:
+            self.follower.start(connection)
+        except errors:
             raise  # the consumer reconnects and starts again
         except Exception:
             logger.exception("celery-prio: %s", self.follower.problem)
@@ -215,21 +306,27 @@ class AmqpFetchSource(FetchSource):
 
         # On the worker's own connection: counted while it is up (and its control queue with it).
         # A worker that cannot join still runs (fetching matters more), but boosts may then miss it.
+        errors = self.channel.connection.connection_errors
         try:
             join_fleet(self.channel.connection.channel(), self.settings)
-        except self.channel.connection.connection_errors:
+        except errors:
             raise  # the consumer reconnects and starts again
         except Exception:
             logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
             return []
-        try:
-            with self.app.connection_for_write() as conn:
-                conn.ensure_connection(max_retries=3)
-                records = read_journal(conn.connection, self.settings, journal_key(self.app, self.settings))
-        except Exception:
-            # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown here.
-            logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
-            records = []
+        records: list[list[Any]] = []
+        for attempt in range(JOURNAL_READ_TRIES):
+            try:
+                with self.app.connection_for_write() as conn:
+                    conn.ensure_connection(max_retries=3)
+                    records = read_journal(conn.connection, self.settings, journal_key(self.app, self.settings))
+                break
+            except Exception:
+                if attempt + 1 < JOURNAL_READ_TRIES:  # e.g. INTERNAL_ERROR while many workers declare it at once
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown.
+                logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
         logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
         return records
 

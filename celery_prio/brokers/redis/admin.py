@@ -175,7 +175,7 @@ class RedisAdapter(Broker):
             n = len(plan.originals)
             done = int(
                 self._promote(
-                    keys=[source, promoted, upper, settings.stats_key],
+                    keys=[source, promoted, upper, settings.stats_key, settings.bell_key(tier.promoted())],
                     args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
                 )
             )

@@ -75,7 +75,11 @@ class RedisBooster(Booster):
             message = json.loads(raw)  # the script parsed it already: it is a JSON object with headers
             rewritten = json.dumps(readdress(message, from_tier, lane, BOOSTED_HEADER))
             move = self._script(client, BOOST_MOVE)
-            if move(keys=[queue, lane, settings.stats_key], args=[raw, rewritten, from_tier.label], client=client):
+            if move(
+                keys=[queue, lane, settings.stats_key, settings.bell_key(tier)],
+                args=[raw, rewritten, from_tier.label],
+                client=client,
+            ):
                 return Boost("boosted", task_id, tier, from_tier, queue)
             # Gone between the look and the move: a worker took it, aging or another boost moved it. Look again.
         hit = self.find(client, task_id, higher)

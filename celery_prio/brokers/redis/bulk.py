@@ -29,7 +29,12 @@ class RedisBulkSession(BulkSession):
     def publish(self, messages: list[Any]) -> list[bool]:
         payloads = [self._envelope(message) for message in messages]
         accepted, self.depth = self._push(
-            keys=[self.queue, self.settings.dead_letter_queue, self.settings.stats_key],
+            keys=[
+                self.queue,
+                self.settings.dead_letter_queue,
+                self.settings.stats_key,
+                self.settings.bell_key(self.tier),
+            ],
             args=[
                 -1 if self.cap is None else self.cap,
                 self.settings.overflow[self.tier],

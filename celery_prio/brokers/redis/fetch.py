@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -15,9 +14,11 @@ from ...tiers import TIERS, Tier
 from ...untrusted import decode_problem, decode_redis_element
 from ..base import BrokerFigures, FetchSource, Job, Take
 from .admin import RedisAdapter, _text
+from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
-from .liveness import PROCESS_HEARTBEAT
+from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
 from .scripts import (
+    BELL_MAX,
     DEAD_LETTER,
     FETCH,
     HEARTBEAT,
@@ -25,6 +26,9 @@ from .scripts import (
 from .transport import UNSETTLED, registered_subqueues
 
 logger = logging.getLogger(__name__)
+
+#: A beat writes the tiers a worker serves at least every this many beats (and whenever they change).
+SERVING_REWRITE = 30
 
 
 class RedisFetchSource(FetchSource):
@@ -54,6 +58,26 @@ class RedisFetchSource(FetchSource):
         self.chores: RedisHousekeeping | None = None  # its fleet jobs, once the worker asks for them
         self._registry: list[str] | None = None  # sub-queues, as of ``_registry_version``
         self._registry_version: Any = None
+        self._served_version: Any = None  # the registry version whose sub-queues this worker serves
+        self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
+
+    def attach_loop(self, hub: Any) -> None:
+        self.doorbell = Doorbell(
+            lambda: self.channel._create_client(asynchronous=False),
+            self.settings,
+            hub,
+            on_ring=lambda: self.on_arrival(),
+            free_slots=lambda: self.free_slots(),
+            lists_of=lambda tiers: [k for t in tiers for c in self.served.candidates(t) for k in self.keys_for(c.name)],
+        )
+
+    def wait_for_work(self, order: list[Tier]) -> bool:
+        """Idle: block on the doorbells of ``order``'s tiers (``doorbell.py``) instead of polling."""
+        return self.doorbell is not None and self.doorbell.wait(order)
+
+    def stop(self) -> None:
+        if self.doorbell is not None:
+            self.doorbell.close()
 
     #: One fetch script call asks every served list: serving more queues costs no round trip.
     asks_all_queues_in_one_call = True
@@ -77,7 +101,6 @@ class RedisFetchSource(FetchSource):
         if message is None:
             return Take(dead_lettered=1)
         candidate = owners[index]
-        message.accept = self.accept
         passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
         return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
 
@@ -104,10 +127,13 @@ class RedisFetchSource(FetchSource):
         When this fetch found nothing, the loop is woken to ask again at
         once, so a new sub-queue's first message waits for no poll interval.
         """
-        if version == self._registry_version:
+        if version == self._served_version:
             return
         names = self.discover_subqueues()
-        if names is not None and names != self.served.discovered:
+        if names is None:
+            return
+        self._served_version = version
+        if names != self.served.discovered:
             self.served.set_discovered(names)
             if not found:
                 self.on_arrival()
@@ -118,6 +144,23 @@ class RedisFetchSource(FetchSource):
         ``(index, None)`` means elements were dead-lettered and nothing is
         delivered yet: ask again. ``tiers[i]`` is the tier of ``keys[i]``.
         """
+        hit = self._fetch(keys, tiers)
+        if hit is None:
+            return None
+        position, messages = hit
+        return position, (messages[0] if messages else None)
+
+    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[Any]:
+        """Up to ``count`` more messages of ``task`` from ``queue``, oldest first, in one call (a batch)."""
+        self.broker_calls += 1
+        hit = self._fetch(self.keys_for(queue)[:1], [tier], count=count, task=task, bells=False)
+        return [] if hit is None else hit[1]
+
+    def _fetch(
+        self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True
+    ) -> tuple[int, list[Any]] | None:
+        """``(index into keys, the kombu Messages taken from it)``; dead-lettered ones are left out (``(-1, [])``
+        when the script moved only malformed elements aside); None when every key was empty."""
         channel = self.channel
         reply = self._script(
             keys=[
@@ -128,17 +171,29 @@ class RedisFetchSource(FetchSource):
                 self.settings.stats_key,
                 self.settings.owners_key,
                 self.settings.subqueue_registry_version,
+                # Silenced when all is empty (a batch's top-up leaves them: it asks one queue only).
+                *((self.settings.bell_key(t) for t in dict.fromkeys(tiers)) if bells else ()),
             ],
-            args=[time.time(), *(t.label for t in tiers), self.worker_name],
+            args=[time.time(), count, task, self.worker_name, *(t.label for t in tiers)],
             client=channel.client,
         )
-        position, raw, version = int(reply[0]) - 1, reply[1], reply[2]
+        position, version = int(reply[0]) - 1, reply[1]
         self._registry_moved(version or None, found=position != -2)
         if position == -2:
             return None
         if position < 0:
-            logger.error("celery-prio: moved %s malformed element(s) to %s", raw, self.settings.dead_letter_queue)
-            return -1, None
+            logger.error("celery-prio: moved %s malformed element(s) to %s", reply[2], self.settings.dead_letter_queue)
+            return -1, []
+        messages = []
+        for raw, tag in zip(reply[2::2], reply[3::2], strict=True):
+            message = self._message(raw, _text(tag), tiers[position], keys[position])
+            if message is not None:
+                messages.append(message)
+        return position, messages
+
+    def _message(self, raw: Any, tag: str, tier: Tier, queue: str) -> Any:
+        """kombu's Message for an element the script took; one Python cannot read goes to the dead letters."""
+        channel = self.channel
         payload, problem = decode_redis_element(raw)
         message = None
         if problem is None:
@@ -147,13 +202,13 @@ class RedisFetchSource(FetchSource):
             except Exception as exc:  # e.g. a body that is not valid base64
                 problem = f"malformed: kombu cannot read it ({exc!r})"
         if message is None:
-            tag = _text(reply[3]) if len(reply) > 3 else _tag_of(raw)  # the script's: cjson read it
-            self._dead_letter_raw(raw, problem or "malformed", tiers[position], keys[position], tag)
-            return position, None
+            self._dead_letter_raw(raw, problem or "malformed", tier, queue, tag)  # the script's tag: cjson read it
+            return None
         message.prio_raw = raw  # dead-lettering later keeps the element exactly as it was
-        message.prio_queue = keys[position]
+        message.prio_queue = queue
+        message.accept = self.accept
         self._local_append(channel.qos, message, message.delivery_tag)
-        return position, message
+        return message
 
     def _dead_letter_raw(self, raw: Any, reason: str, tier: Tier, queue: str, tag: str) -> None:
         logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
@@ -191,7 +246,16 @@ class RedisFetchSource(FetchSource):
                 returned += 1
         if returned:
             logger.warning("celery-prio: returned %d message(s) fetched before the reconnect to their queues", returned)
+            self.ring(TIERS, returned)
         return returned
+
+    def ring(self, tiers: list[Tier], n: int) -> None:
+        """Ring the doorbells of ``tiers`` for ``n`` messages that went back to their queues outside a script."""
+        pipe = self.channel.client.pipeline(transaction=False)
+        for tier in tiers:
+            bell = self.settings.bell_key(tier)
+            pipe.lpush(bell, *["1"] * min(n, BELL_MAX)).ltrim(bell, 0, BELL_MAX - 1)
+        pipe.execute()
 
     def settle_unsettled(self) -> None:
         """Acks and rejects that failed while Redis was unreachable: done, so forgotten now, not returned."""
@@ -220,14 +284,26 @@ class RedisFetchSource(FetchSource):
         PROCESS_HEARTBEAT.attach(lambda: self.heartbeat(beat_client))
         return []
 
+    #: Whether this worker holds the fleet's housekeeper lease (told by every beat; read by the jobs).
+    housekeeper = False
+    _beats = 0
+    _serving_written: str | None = None
+
     def heartbeat(self, client: Any = None) -> None:
-        """Say this worker is alive and which tiers it serves (before its first fetch, then every second)."""
+        """Say this worker is alive and which tiers it serves (before its first fetch, then every second),
+        and hold or take the housekeeper lease."""
         tiers = ",".join(t.label for t in self.served.tiers)
-        self._beat(
-            keys=[self.settings.heartbeats_key, self.settings.serving_key],
-            args=[self.worker_name, tiers],
+        # The tiers it serves are written when they change, and every SERVING_REWRITE beats (a Redis that
+        # restarted without its data learns them again): an idle beat is a few commands.
+        self._beats += 1
+        fresh = tiers != self._serving_written or self._beats % SERVING_REWRITE == 0
+        held = self._beat(
+            keys=[self.settings.heartbeats_key, self.settings.serving_key, self.settings.housekeeper_key],
+            args=[self.worker_name, tiers if fresh else "", int(HOUSEKEEPER_LEASE * 1000)],
             client=client or self.channel.client,
         )
+        self._serving_written = tiers
+        self.housekeeper = bool(held)
 
     def restore_or_dead_letter(self, tag: str) -> None:
         """Back to its queue through kombu's restore (marked redelivered); one kombu cannot read back (nested
@@ -249,13 +325,16 @@ class RedisFetchSource(FetchSource):
         tier = self.settings.tier_for_queue(queue) or self.settings.default_tier
         self._dead_letter_raw(raw, f"{reason}; found when its worker was gone", tier, queue, tag)
 
-    def broker_figures(self, now: float) -> BrokerFigures:
+    def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
         wall = time.time()
-        oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
+        if idle:  # every queue it serves was empty just now: nothing waits, nothing to ask about them
+            oldest: dict[Tier, float | None] = dict.fromkeys(TIERS)
+        else:
+            oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
         return BrokerFigures(
             counters=self.adapter.counters(self.settings),
             oldest_age=oldest,
-            depth=self.served_depths(),
+            depth=dict.fromkeys(self.served.tiers, 0) if idle else self.served_depths(),
             read_at=now,
             dead_letters=self.dead_letter_depth(),
         )
@@ -277,11 +356,3 @@ def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
     if not entry.startswith(b"[") or match is None:
         return entry, ""
     return entry[1 : match.start()], match.group(1).decode(errors="replace")
-
-
-def _tag_of(raw: Any) -> str:
-    try:
-        tag = json.loads(raw)["properties"]["delivery_tag"]
-    except Exception:
-        return ""
-    return tag if isinstance(tag, str) else ""

@@ -39,6 +39,8 @@ def sweep_keys(settings: PrioSettings) -> list[str]:
 
 #: How often a worker reports its per-tier take rate (publishers' Retry-After).
 RATE_INTERVAL = 2.0
+#: How often a worker that has queues it never measured reads the fleet's estimates of them.
+ESTIMATES_READ_INTERVAL = 10.0
 
 
 class RedisHousekeeping:
@@ -51,24 +53,41 @@ class RedisHousekeeping:
         self._sweep = source.channel.client.register_script(SWEEP_DEAD_OWNERS)
         self.returned = 0  # messages of gone workers this worker returned to their queues
         self._rate_mark: tuple[float, dict[Tier, int]] | None = None
+        self._rates_idle = False  # the last rates written were all zero (nothing to refresh while idle)
+        self._estimates_written: dict[str, str] = {}
+        self._estimates_read_at = float("-inf")
 
     @property
     def channel(self) -> Any:
         return self.source.channel
 
     def jobs(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
-        jobs = [
+        # The fleet's work, done by the one worker that holds the housekeeper lease (``heartbeat.lua``):
+        # its broker work per second does not grow with the number of workers.
+        fleet = [
             Job(SWEEP_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
-            Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
-            Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
             Job(PRUNE_INTERVAL, self._prune, "prune workers, estimates and sub-queues unheard of"),
         ]
         if self.settings.dead_letter_max is not None:
-            jobs.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
+            fleet.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
-            # Every worker ages, whatever its -Q: offline ages into batch with no offline worker at all.
-            jobs.append(Job(self.settings.aging_interval, self._age, "aging"))
-        return jobs
+            # The housekeeper ages every tier, whatever its own -Q: offline ages into batch with no offline
+            # worker at all.
+            fleet.append(Job(self.settings.aging_interval, self._age, "aging"))
+        # This worker's own: bounded by its own traffic (written when they change, nothing while idle).
+        own = [
+            Job(SWEEP_INTERVAL, self.source.settle_unsettled, "settle acks that failed while Redis was away"),
+            Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
+            Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+        ]
+        return [*map(self._housekeeper_only, fleet), *own]
+
+    def _housekeeper_only(self, job: Job) -> Job:
+        def run() -> None:
+            if self.source.housekeeper:
+                job.run()
+
+        return Job(job.interval, run, f"{job.name} (the fleet's housekeeper)")
 
     def _return_dead_owners_messages(self) -> None:
         """Put back, at the head of their queues, messages fetched by workers that are gone.
@@ -82,7 +101,8 @@ class RedisHousekeeping:
         visibility timeout: a long task on a live worker is never returned,
         and only this app's messages are looked at. The message goes back
         through kombu's own restore (marked redelivered, to the list it came
-        from); the sweep script hands each one to a single sweeper.
+        from); the sweep script hands each one to a single sweeper. The
+        tiers' doorbells ring for what came back, so idle workers take it.
         """
         channel, settings = self.channel, self.settings
         limits: list[Any] = []
@@ -90,7 +110,6 @@ class RedisHousekeeping:
             limits += [tier.label, seconds]
         returned = 0
         try:
-            self.source.settle_unsettled()  # an ack that failed without a reconnect (a timeout) is settled here
             for _ in range(SWEEP_CHUNKS_PER_PASS):  # chunk by chunk: Redis serves others in between
                 reply = self._sweep(
                     keys=[settings.owners_key, settings.heartbeats_key, *sweep_keys(settings)],
@@ -109,6 +128,7 @@ class RedisHousekeeping:
         if returned:
             logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", returned)
             self.returned += returned
+            self.source.ring(TIERS, returned)
 
     def _prune(self) -> None:
         gone = prune(self.channel.client, self.settings, self.worker_name)
@@ -137,10 +157,16 @@ class RedisHousekeeping:
         key = self.settings.queue_prefix + ".estimates"
         states = [(name, state) for _, name, state in self.source.served.queue_states()]
         mine = {name: f"{state.estimate:.6f}" for name, state in states if state.measured}
+        changed = {name: v for name, v in mine.items() if self._estimates_written.get(name) != v}
         client = self.channel.client
-        if mine:
-            client.hset(key, mapping=mine)
-            mention(client, self.settings, "estimates", list(mine))
+        if changed:
+            client.hset(key, mapping=changed)
+            mention(client, self.settings, "estimates", list(changed))
+            self._estimates_written.update(changed)
+        now = time.monotonic()
+        if all(state.measured for _, state in states) or now - self._estimates_read_at < ESTIMATES_READ_INTERVAL:
+            return
+        self._estimates_read_at = now
         fleet = client.hgetall(key)
         for name, state in states:
             raw = fleet.get(name.encode())
@@ -160,12 +186,14 @@ class RedisHousekeeping:
         self._rate_mark = (now, dict(counts))
         if now <= last_at:
             return
+        rates = {tier: (counts[tier] - last[tier]) / (now - last_at) for tier in TIERS}
+        idle = not any(rates.values())
+        if idle and self._rates_idle:
+            return  # zeros are written once: a zero rate counts for nothing, fresh or not
         wall = time.time()
-        mapping = {
-            f"{self.worker_name}|{tier.label}": f"{(counts[tier] - last[tier]) / (now - last_at):.4f} {wall:.3f}"
-            for tier in TIERS
-        }
+        mapping = {f"{self.worker_name}|{tier.label}": f"{rate:.4f} {wall:.3f}" for tier, rate in rates.items()}
         self.channel.client.hset(f"{self.settings.stats_key}.rates", mapping=mapping)
+        self._rates_idle = idle
 
     def _age(self) -> None:
         now = time.time()

@@ -46,17 +46,21 @@ class RedisPublisher(Publisher):
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
         use_capped_redis_transport()
+        # Every tier queue goes through the guarded push (-1: no cap), which also rings the tier's doorbell.
         options["prio_caps"] = {
-            settings.queue_name(t): [cap, settings.overflow[t], t.label]
+            settings.queue_name(t): [-1 if cap is None else cap, settings.overflow[t], t.label]
             for t, cap in settings.max_length.items()
-            if cap is not None
         }
         # Every sub-queue of a tier (``<prefix>.<tier>.<name>``) has this cap.
         options["prio_subqueue_caps"] = {
-            settings.queue_name(t) + ".": [settings.subqueue_cap(t), settings.overflow[t], t.label]
+            settings.queue_name(t) + ".": [
+                cap if (cap := settings.subqueue_cap(t)) is not None else -1,
+                settings.overflow[t],
+                t.label,
+            ]
             for t in TIERS
-            if settings.subqueue_cap(t) is not None
         }
+        options["prio_bell_prefix"] = settings.bell_key(Tier.REALTIME).removesuffix(Tier.REALTIME.label)
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
         options["prio_owners_key"] = settings.owners_key

@@ -35,8 +35,11 @@ FETCH_DEAD_BUDGET = 100
 #: Elements one boost look reads at most, so Redis is never held long: about
 #: 25 ms on this project's 2-core box (a boost looks again until done).
 BOOST_SCAN_BUDGET = 10_000
+#: Tokens a tier's doorbell holds at most (``lua/ring.lua``): how many idle workers one burst wakes.
+BELL_MAX = 16
 
 _CONSTANTS = {
+    "BELL_MAX": BELL_MAX,
     "SCRIPT_BYTES": SCRIPT_BYTES,
     "EVICT_BUDGET": EVICT_BUDGET,
     "FETCH_DEAD_BUDGET": FETCH_DEAD_BUDGET,

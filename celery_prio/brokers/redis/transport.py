@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...errors import QueueFull
 from ...headers import PROMOTED_SUFFIX
 from ...tiers import parse_tier
-from .scripts import GUARDED_PUSH
+from .scripts import BELL_MAX, GUARDED_PUSH
 
 logger = logging.getLogger(__name__)
 
@@ -115,31 +115,43 @@ class Channel(kombu_redis.Channel):
             # committed continuations, or neither (see brokers/continuations).
             pending_marker.value = None
             key, generation, ttl = marker
+            bell = bell_of(self.connection.client.transport_options, queue)
             with self.conn_or_acquire() as client:
                 pipe = client.pipeline(transaction=True)
                 pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
                 pipe.set(key, generation, ex=ttl)
+                if bell:  # the continuation's tier: an idle worker takes it at once
+                    pipe.lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1)
                 pipe.execute()
             return
         options = self.connection.client.transport_options
         rule = cap_rule(options, queue)
         if rule is None:
             return super()._put(queue, message, **kwargs)
-        batch = kwargs.pop("_publish_batch", None)
+        batch = kwargs.get("_publish_batch")
+        cap, policy, tier = rule
+        if batch is not None and cap < 0:
+            # Uncapped: kombu's batching keeps pipelining it, and the tier's doorbell rings in the same pipeline.
+            super()._put(queue, message, **kwargs)
+            bell = bell_key(options, tier)
+            if bell:
+                batch.add("lpush", bell, 1)
+                batch.add("ltrim", bell, 0, BELL_MAX - 1)
+            return
+        kwargs.pop("_publish_batch", None)
         if batch is not None:
             # kombu's Producer.batch() pipelines plain LPUSHes, which would
             # bypass the cap. A capped tier is published at once instead,
             # through the guarded script, after what the batch buffered before
             # it (so order holds and a refusal reaches the caller right here).
             batch.flush()
-        cap, policy, tier = rule
         pri = self._get_message_priority(message, reverse=False)
         key = self._q_for_pri(queue, pri)
         with self.conn_or_acquire() as client:
             if self._guarded_push is None:
                 Channel._guarded_push = client.register_script(GUARDED_PUSH)
             accepted, depth = self._guarded_push(
-                keys=[key, options["prio_dead_queue"], options["prio_stats_key"]],
+                keys=[key, options["prio_dead_queue"], options["prio_stats_key"], bell_key(options, tier)],
                 args=[dumps(message), cap, policy, tier, time.time()],
                 client=client,
             )
@@ -175,7 +187,8 @@ class NotReplicated(Exception):
 
 
 def cap_rule(options: dict, queue: str) -> list | None:
-    """``[cap, policy, tier]`` for a capped tier queue or sub-queue (front lanes are never capped)."""
+    """``[cap (-1: none), policy, tier]`` for a tier queue or sub-queue; None for any other queue (front lanes
+    are never capped: what enters them was admitted already)."""
     rule = (options.get("prio_caps") or {}).get(queue)
     if rule is not None or queue.endswith(PROMOTED_SUFFIX):
         return rule
@@ -183,6 +196,18 @@ def cap_rule(options: dict, queue: str) -> list | None:
         if queue.startswith(head):
             return sub_rule
     return None
+
+
+def bell_key(options: dict, tier_label: str) -> str:
+    """The doorbell of a tier (``''`` for an app installed before doorbells: nothing rings)."""
+    prefix = options.get("prio_bell_prefix")
+    return f"{prefix}{tier_label}" if prefix else ""
+
+
+def bell_of(options: dict, queue: str) -> str:
+    """The doorbell of the tier ``queue`` (a tier queue, front lane or sub-queue) belongs to, or ``''``."""
+    rule = cap_rule(options, queue.removesuffix(PROMOTED_SUFFIX))
+    return "" if rule is None else bell_key(options, rule[2])
 
 
 def registered_subqueues(client: Any, registry: str) -> list[str]:

@@ -30,6 +30,7 @@ from .defaults import bench_defaults
 from .inherit import bench_boost_cost, bench_inherit
 from .mixed import bench_aging_pass, bench_broker, bench_drain
 from .recovery import bench_chaos, bench_recovery
+from .scale import bench_latency, bench_scale
 from .slices import SliceWorkload, bench_slices
 from .subqueues import bench_sjf, bench_subqueues
 
@@ -50,11 +51,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-plain-tasks", type=int, default=10_000, help="apply_async loop size it is compared to")
     parser.add_argument(
         "--only",
-        choices=("defaults", "mixed", "drain", "bulk", "slices", "subqueues", "sjf", "inherit", "recovery", "chaos"),
+        choices=(
+            "defaults",
+            "mixed",
+            "drain",
+            "bulk",
+            "slices",
+            "subqueues",
+            "sjf",
+            "inherit",
+            "recovery",
+            "chaos",
+            "scale",
+        ),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
-        "priority inheritance, recovery after a worker dies, or chaos (kills and a broker restart; not in a full run)",
+        "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), or scale (idle "
+        "and busy fleets); the last two are not part of a full run",
     )
+    parser.add_argument(
+        "--scale-workers", default="1,16", help="idle fleet sizes for --only scale, comma-separated (e.g. 1,16,64)"
+    )
+    parser.add_argument("--scale-window", type=float, default=15.0, help="seconds an idle fleet is measured")
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -91,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                     results["redis"]["boost_cost_s"] = bench_boost_cost()
             if args.only in (None, "recovery"):
                 results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
+            if args.only == "scale":
+                sizes = tuple(int(n) for n in args.scale_workers.split(","))
+                results[kind]["scale"] = bench_scale(broker, Path(tmp), sizes, args.scale_window)
+                results[kind]["latency"] = bench_latency(broker, Path(tmp), args.duration)
             if args.only == "chaos" and kind == "redis":
                 results[kind]["chaos"] = bench_chaos(Path(tmp), args.duration * 4)
     if args.json:

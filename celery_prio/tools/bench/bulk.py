@@ -16,7 +16,7 @@ def bench_bulk(broker: str, plain_n: int, bulk_n: int, logdir: Path, out=print) 
     """Enqueue rate: apply_async in a loop vs celery_prio.bulk, one producer thread, same app; producer memory."""
     import tracemalloc
 
-    from ..producer.bulk import bulk
+    from ...producer.bulk import bulk
 
     kind = broker_kind(broker)
     run = Run("prio", broker, logdir, 1, max_length={"batch": None})

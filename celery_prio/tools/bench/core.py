@@ -45,11 +45,12 @@ class Workload:
     offline_rate: float = 0.0  # offline tasks per second arriving during the run (Poisson)
     grace: float = 3.0  # how long realtime stragglers may finish after the stream
     seed: int = 7
+    batch_load: float = 1.5  # batch backlog as slot-time over the run's slot-time (0: realtime alone)
 
     @property
     def batch_backlog(self) -> int:
         # Enough batch work to keep every slot busy for the whole run.
-        return math.ceil(1.5 * self.concurrency * self.duration / self.batch_seconds)
+        return math.ceil(self.batch_load * self.concurrency * self.duration / self.batch_seconds)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,10 +81,11 @@ class Run:
         self.kind = broker_kind(broker)
         self.records = redis.Redis.from_url(RECORD_URL)
         self.logdir, self.concurrency = logdir, concurrency
-        self.worker: WorkerProcess | None = None
+        self.worker: WorkerProcess | None = None  # the last one started
+        self.workers: list[WorkerProcess] = []
         self.started = 0  # workers started so far (each gets its own node name and log)
 
-    def start_worker(self) -> None:
+    def start_worker(self, wait: bool = True) -> None:
         env = {
             "BENCH_MODE": self.mode,
             "BENCH_BROKER": self.broker,
@@ -100,7 +102,9 @@ class Run:
             hostname=f"{self.mode}{n}-{self.prefix}@%h",  # distinct node names: a second worker is not the first
             env=env,
         )
-        self.worker.wait_ready()
+        self.workers.append(self.worker)
+        if wait:
+            self.worker.wait_ready()
 
     def start(self, cold: bool) -> None:
         """The worker up, and warmed up unless ``cold`` (what a new user gets: no warm-up before the clock)."""
@@ -145,8 +149,8 @@ class Run:
         return out
 
     def close(self) -> None:
-        if self.worker:
-            self.worker.kill()
+        for worker in self.workers:
+            worker.kill()
         adapter = adapter_for(self.app)
         try:
             names = [f"{self.prefix}.{t}" for t in ("realtime", "batch", "offline", "fifo", "dead")]
@@ -157,8 +161,8 @@ class Run:
                 for key in adapter.client.scan_iter(f"{self.prefix}.*"):
                     adapter.client.delete(key)
             else:
-                from ..brokers.amqp.management import management_client
-                from ..settings import settings_for
+                from ...brokers.amqp.management import management_client
+                from ...settings import settings_for
 
                 listing = management_client(self.app, settings_for(self.app)).list_queues(rf"^{self.prefix}\.")
                 adapter.delete_queues([name for name, _ in listing or []])

@@ -20,8 +20,8 @@ def run_dependency_wait(mode: str, broker: str, backlog: int, seconds: float, lo
     ``prio``: celery-prio, the caller just waits; ``boost``: celery-prio, the caller boosts what it
     waits on to realtime first (what ``celery_prio.wait`` does). Returns the caller's wait.
     """
-    from ..boost import boost
-    from ..producer.bulk import bulk
+    from ...boost import boost
+    from ...producer.bulk import bulk
 
     run = Run("native" if mode == "native" else "prio", broker, logdir, 4)
     try:
@@ -73,7 +73,7 @@ MODES_INHERIT = ("native", "prio", "boost")
 def bench_boost_cost(out=print, size: int = 1_000_000) -> dict[str, float]:
     """Cost of one Redis boost in an offline backlog of ``size`` real-size messages: the target at the
     newest end (what a caller usually waits on) and at the oldest end (the scan reads everything)."""
-    from ..boost import boost
+    from ...boost import boost
 
     run = Run("prio", BROKER_URLS["redis"], Path(tempfile.gettempdir()), 1)
     results = {}

@@ -65,8 +65,8 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
     The backlog is filled with small stamped messages (not due) and ``aged``
     real task messages at the oldest end; the pass must not look further.
     """
-    from ..brokers.redis.admin import RedisAdapter
-    from ..settings import settings_for
+    from ...brokers.redis.admin import RedisAdapter
+    from ...settings import settings_for
 
     results = {}
     for size in sizes:

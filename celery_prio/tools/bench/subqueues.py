@@ -12,7 +12,7 @@ from .core import Run, broker_kind, percentile, poisson_streams
 
 def run_tenants(broker: str, duration: float, logdir: Path, subqueues: bool, flood: int = 20_000) -> dict[str, Any]:
     """Batch tier: tenant A floods it at once, tenant B trickles 2/s. B's queue wait, with or without sub-queues."""
-    from ..producer.bulk import bulk
+    from ...producer.bulk import bulk
 
     run = Run("prio", broker, logdir, 4, max_length={"batch": None})
     try:

@@ -2,16 +2,19 @@
 -- ``reject``: push while the list is below the cap, stop at the first that
 -- does not fit (the caller reports how many went in). ``drop_oldest``: push
 -- all, evicting the oldest to the dead letters as needed.
--- KEYS: tier list, dead list, stats hash.
+-- The tier's doorbell rings once per message taken (up to its bound).
+-- KEYS: tier list, dead list, stats hash, the tier's bell.
 -- ARGV: cap (-1 = none), policy, tier label, now, then the messages.
 -- Returns {accepted, depth after}.
 --#include dead_entry
+--#include ring
 
 local cap = tonumber(ARGV[1])
 local n = redis.call('LLEN', KEYS[1])
 local count = #ARGV - 4
 if cap < 0 or n + count <= cap then  -- room for all: one LPUSH
   redis.call('LPUSH', KEYS[1], unpack(ARGV, 5))
+  ring(KEYS[4], count)
   return {count, n + count}
 end
 local accepted, evicted = 0, 0
@@ -32,4 +35,5 @@ for i = 5, #ARGV do
   accepted = accepted + 1
 end
 if evicted > 0 then redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[3], evicted) end
+ring(KEYS[4], accepted)
 return {accepted, n}

@@ -7,20 +7,29 @@
 -- any live worker can return the message at once (``SWEEP_DEAD_OWNERS``).
 -- Every reply also carries the sub-queue registry's version, so a worker learns
 -- of a new sub-queue from the fetches it makes anyway (no polling of its own).
+-- When every list is empty, the doorbells of the tiers asked are silenced: a
+-- token left from work another worker took would only wake an idle worker
+-- for nothing (a publish after this call rings again).
+-- A batch (``count`` > 1) takes up to ``count`` messages of one list, oldest
+-- first, each recorded the same way, and stops at one of another task (``task``).
 -- KEYS: the lists in preference order, then the unacked hash, its index,
--- the dead list, the stats hash, the owners hash and the registry's version key.
--- ARGV: now, then one tier label per list, then the worker's name.
--- Returns {position of the list (1-based), message, version, delivery tag}
+-- the dead list, the stats hash, the owners hash and the registry's version
+-- key, then the bells of the tiers asked.
+-- ARGV: now, count, task name ('' = any), the worker's name, then one tier label per list.
+-- Returns {position of the list (1-based), version, message, delivery tag, message, tag, ...}
 -- (the tag as cjson read it: Python may fail to decode what cjson accepts),
--- {0, n dead-lettered, version} when it stopped at its dead-letter budget,
--- or {-1, '', version} when all are empty.
+-- {0, version, n dead-lettered} when it stopped at its dead-letter budget,
+-- or {-1, version} when all are empty.
 --#include dead_entry
 
-local n = #KEYS - 6
+local n = #ARGV - 4
+local count, task, worker = tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local version = redis.call('GET', KEYS[n + 6]) or ''
 local dead, dead_bytes = 0, 0
 for i = 1, n do
-  while true do
+  local label = ARGV[4 + i]
+  local taken = {i, version}
+  while #taken < 2 + 2 * count do
     local raw = redis.call('LINDEX', KEYS[i], -1)
     if not raw then break end
     local ok, msg = pcall(cjson.decode, raw)
@@ -37,13 +46,17 @@ for i = 1, n do
       reason = 'malformed: headers are not an object'
     end
     if reason then
-      redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, ARGV[1 + i], ARGV[1], KEYS[i]))
+      if #taken > 2 then break end  -- the batch so far goes first; the next fetch moves this aside
+      redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, label, ARGV[1], KEYS[i]))
       redis.call('RPOP', KEYS[i])
-      redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. ARGV[1 + i], 1)
+      redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. label, 1)
       dead = dead + 1
       dead_bytes = dead_bytes + #raw
-      if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, dead, version} end
+      if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, dead} end
     else
+      if task ~= '' and #taken > 2 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
+        break  -- a batch holds one task's calls only
+      end
       local tag = msg['properties']['delivery_tag']
       -- A restore (the worker died) returns it to the list it came from, not
       -- to whatever its own delivery_info names: that is data, not an address.
@@ -51,11 +64,14 @@ for i = 1, n do
       redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',"",' .. cjson.encode(KEYS[i]) .. ']')
       local t = redis.call('TIME')
       local fetched = t[1] .. '.' .. string.format('%06d', t[2])
-      redis.call('HSET', KEYS[n + 5], tag, ARGV[n + 2] .. '|' .. ARGV[1 + i] .. '|' .. fetched)
+      redis.call('HSET', KEYS[n + 5], tag, worker .. '|' .. label .. '|' .. fetched)
       redis.call('RPOP', KEYS[i])
-      return {i, raw, version, tag}
+      taken[#taken + 1] = raw
+      taken[#taken + 1] = tag
     end
   end
+  if #taken > 2 then return taken end
 end
-if dead > 0 then return {0, dead, version} end
-return {-1, '', version}
+if dead > 0 then return {0, version, dead} end
+for b = n + 7, #KEYS do redis.call('DEL', KEYS[b]) end
+return {-1, version}

@@ -1,12 +1,15 @@
--- KEYS: tier list, dead list, stats hash.
--- ARGV: message, cap, policy, tier label, now (epoch s).
+-- Publish one message to a tier list (or sub-queue) under its cap, and ring the tier's doorbell.
+-- KEYS: tier list, dead list, stats hash, the tier's bell.
+-- ARGV: message, cap (-1 = none), policy, tier label, now (epoch s).
 -- Returns {accepted (1/0), depth after (or depth seen when refused)}.
 --#include dead_entry
+--#include ring
 
 local n = redis.call('LLEN', KEYS[1])
 local cap = tonumber(ARGV[2])
-if n < cap then
+if cap < 0 or n < cap then
   redis.call('LPUSH', KEYS[1], ARGV[1])
+  ring(KEYS[4], 1)
   return {1, n + 1}
 end
 if ARGV[3] ~= 'drop_oldest' then
@@ -24,4 +27,5 @@ while n >= cap and evicted < ${EVICT_BUDGET} do
 end
 redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[4], evicted)
 redis.call('LPUSH', KEYS[1], ARGV[1])
+ring(KEYS[4], 1)
 return {1, n + 1}

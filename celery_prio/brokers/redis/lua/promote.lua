@@ -3,9 +3,11 @@
 -- two agers never move one message twice) and while the upper tier has room.
 -- The promoted list is FIFO like a tier list (LPUSH in, RPOP out), so
 -- promoted messages are served oldest first across passes.
--- KEYS: source list, promoted list, upper tier list, stats hash.
+-- The upper tier's doorbell rings once per message moved.
+-- KEYS: source list, promoted list, upper tier list, stats hash, the upper tier's bell.
 -- ARGV: destination cap (-1 = none), source tier label, n, n originals
 -- (oldest first), n rewritten copies. Returns the number moved.
+--#include ring
 local cap = tonumber(ARGV[1])
 local n = tonumber(ARGV[3])
 local moved = 0
@@ -17,4 +19,5 @@ for i = 1, n do
   moved = moved + 1
 end
 if moved > 0 then redis.call('HINCRBY', KEYS[4], 'promoted:' .. ARGV[2], moved) end
+ring(KEYS[5], moved)
 return moved

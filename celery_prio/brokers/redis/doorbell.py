@@ -1,0 +1,156 @@
+"""An idle Redis worker blocks on its tiers' doorbells instead of polling its queues.
+
+Every publish into a tier rings the tier's bell (``lua/ring.lua``: a token
+pushed onto ``<prefix>.bell.<tier>``, at most ``BELL_MAX`` kept). A worker
+with a free slot whose fetch found every asked queue empty sends ``BLPOP`` on
+the bells of those tiers, on a connection of its own, and registers the
+socket with the worker's event loop: no thread, no timer, no poll. Redis
+hands one token to the longest-waiting worker, so one message wakes one
+worker, and that worker then fetches through the scheduler's order as
+always (a tier that rang first is not served first for it). The block ends
+after ``BELL_TIMEOUT`` seconds with no token; the worker then asks whether
+any of its queues holds anything (one ``EXISTS`` over all of them: the
+safety net for the rare paths that ring no bell, kombu's own restore or a
+requeued dead letter) and fetches only if one does, else blocks again.
+
+A token that reaches a worker which has meanwhile filled its slots goes back
+onto its bell, so another idle worker is woken in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ...settings import PrioSettings
+from ...tiers import Tier
+from .scripts import BELL_MAX
+
+logger = logging.getLogger(__name__)
+
+#: Seconds an idle worker blocks on its bells before it fetches once anyway.
+BELL_TIMEOUT = 1.0
+_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Doorbell:
+    """One worker's wait on its tiers' bells (``hub``: the worker's kombu event loop)."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], Any],
+        settings: PrioSettings,
+        hub: Any,
+        on_ring: Callable[[], None],
+        free_slots: Callable[[], int],
+        lists_of: Callable[[list[Tier]], list[str]],
+    ) -> None:
+        self.make_client = make_client
+        self.lists_of = lists_of  # the lists a worker serves in these tiers (the safety net asks them)
+        self.settings = settings
+        self.hub = hub
+        self.on_ring = on_ring
+        self.free_slots = free_slots
+        self._client: Any = None
+        self._connection: Any = None  # the connection a BLPOP is out on, while it is
+        self._tiers: frozenset[Tier] = frozenset()
+        self._unblocked = False
+        self.waits = 0  # BLPOPs sent (reported; bounded by arrivals plus one a second while idle)
+        self.rung = 0  # tokens received
+        self.passed_on = 0  # tokens put back for another worker (this one had no free slot)
+
+    @property
+    def waiting(self) -> bool:
+        return self._connection is not None
+
+    def wait(self, tiers: list[Tier]) -> bool:
+        """Block on ``tiers``' bells until a token arrives or ``BELL_TIMEOUT`` passes, then call ``on_ring``.
+        False when it cannot (Redis unreachable): the caller polls instead."""
+        if self._connection is not None:
+            if not set(tiers) <= self._tiers:
+                # A tier allowed since (a slot freed for batch): end this wait now (CLIENT UNBLOCK answers the
+                # BLPOP with a timeout), and the fetch that follows waits on every tier it asked.
+                self._unblock()
+            return True
+        try:
+            if self._client is None:
+                self._client = self.make_client()
+            connection = self._client.connection_pool.get_connection()
+            if getattr(connection, "prio_client_id", None) is None:  # once per connection: to unblock it
+                connection.send_command("CLIENT", "ID")
+                connection.prio_client_id = connection.read_response()
+            connection.send_command("BLPOP", *(self.settings.bell_key(t) for t in tiers), BELL_TIMEOUT)
+        except _ERRORS as exc:
+            logger.debug("celery-prio: cannot wait on the doorbells (%r); polling", exc)
+            self.close()
+            return False
+        self._connection, self._tiers = connection, frozenset(tiers)
+        self.hub.add_reader(connection._sock, self._rang)
+        self.waits += 1
+        return True
+
+    def _anything_waiting(self, tiers: list[Tier]) -> bool:
+        """One ``EXISTS`` over every list of ``tiers`` (True when it cannot tell: fetch to find out)."""
+        try:
+            return bool(self._client.exists(*self.lists_of(tiers)))
+        except _ERRORS:
+            return True
+
+    def _rang(self, *_: Any) -> None:
+        connection = self._connection
+        if connection is None:
+            return
+        self.hub.remove_reader(connection._sock)
+        self._connection = None
+        try:
+            reply = connection.read_response()
+        except _ERRORS as exc:
+            logger.debug("celery-prio: the doorbell connection failed (%r)", exc)
+            self.close()
+            reply = None
+        else:
+            self._client.connection_pool.release(connection)
+        if reply is not None:
+            self.rung += 1
+            if self.free_slots() <= 0:  # filled meanwhile: the token wakes another idle worker instead
+                self._pass_on(reply[0])
+                return
+        elif self._client is not None and not self._unblocked:
+            tiers = list(self._tiers)
+            if not self._anything_waiting(tiers) and self.wait(tiers):
+                return  # timed out, and nothing waits anywhere: block again, the fetch loop sleeps on
+        self._unblocked = False
+        self.on_ring()
+
+    def _unblock(self) -> None:
+        self._unblocked = True  # answered as a timeout: the fetch loop must look, not block again
+        try:
+            self._client.client_unblock(self._connection.prio_client_id)
+        except _ERRORS:
+            pass  # the wait ends at its timeout instead
+
+    def _pass_on(self, bell: Any) -> None:
+        try:
+            self._client.pipeline(transaction=False).lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1).execute()
+            self.passed_on += 1
+        except _ERRORS:
+            pass  # another idle worker finds the message at its own timeout
+
+    def close(self) -> None:
+        """Stop waiting and drop the connection (the worker stops, or its connection failed)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                self.hub.remove_reader(connection._sock)
+            except Exception:  # the socket is gone already
+                pass
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.connection_pool.disconnect()
+            except Exception:
+                pass
