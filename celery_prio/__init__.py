@@ -9,6 +9,7 @@ or ``task.apply_async(..., tier="batch")``.
 
 from __future__ import annotations
 
+from .batching import Batch, BatchResultError, Call
 from .boost import Boost, boost, wait
 from .errors import ConfigError, QueueFull
 from .install import install
@@ -19,9 +20,12 @@ from .tiers import TIERS, Tier, parse_tier
 
 __all__ = [
     "TIERS",
+    "Batch",
+    "BatchResultError",
     "Boost",
     "BulkQueueFull",
     "BulkResult",
+    "Call",
     "ConfigError",
     "QueueFull",
     "Tier",

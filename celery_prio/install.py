@@ -8,6 +8,7 @@ from typing import Any
 
 from celery import Celery, signals
 
+from .batching import batch_of, takes_batches
 from .brokers import publisher_for
 from .errors import ConfigError
 from .policy.routes import check_task_tiers
@@ -86,15 +87,20 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     register_tier_queues(settings)
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
     publishing.remember_publishes(settings)  # after the stamp: what a boost republishes carries it
-    app.on_after_finalize.connect(_log_task_tier_errors, weak=False)
+    app.on_after_finalize.connect(_on_finalize, weak=False)
     return settings
 
 
-def _log_task_tier_errors(sender: Celery, **_: Any) -> None:
+def _on_finalize(sender: Celery, **_: Any) -> None:
+    """The app's tasks are all there: batched tasks take a single call as a batch of one (a direct call, eager
+    mode, an ETA), in every process of the app (a worker's pool children are forked after this)."""
     # Celery's signal dispatcher swallows exceptions; this only says it early.
-    # The worker refuses to start in check_task_tiers.
+    # The worker refuses to start in check_task_tiers (and with a bad batch=).
     try:
         check_task_tiers(sender.tasks)
+        for task in sender.tasks.values():
+            if batch_of(task) is not None:
+                takes_batches(task)
     except ConfigError as exc:
         logger.error("celery-prio: %s", exc)
 

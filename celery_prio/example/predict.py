@@ -67,6 +67,20 @@ def classify(image: Any) -> dict[str, Any]:
     return as_prediction(forward(check_image(image)[None])[0])
 
 
+def classify_calls(images: list[Any]) -> list[Any]:
+    """One prediction per image in one forward pass (a batch of online requests); a bad image gets its
+    ``ValueError`` in its place instead, and the others go through."""
+    checked: list[Any] = []
+    for image in images:
+        try:
+            checked.append(check_image(image))
+        except ValueError as exc:
+            checked.append(exc)
+    good = [x for x in checked if not isinstance(x, ValueError)]
+    predictions = iter(classify_chunk(np.stack(good)) if good else [])
+    return [x if isinstance(x, ValueError) else next(predictions) for x in checked]
+
+
 def classify_batch(images: Any, micro_batch: int = MICRO_BATCH) -> list[dict[str, Any]]:
     batch = check_batch(images)
     out: list[dict[str, Any]] = []

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..settings import PrioSettings, subqueue_name_problem
-from ..tiers import Tier, parse_tier
+from ..tiers import TIERS, Tier, parse_tier
 
 
 def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = None) -> Tier | None:
@@ -61,6 +61,16 @@ def sjf_queues(settings: PrioSettings, tasks: Any, every_task: bool = False) -> 
         except ValueError:  # a task with a bad tier: check_task_tiers stops the worker with the reason
             continue
     return out
+
+
+def batched_queues(settings: PrioSettings, tasks: Any) -> list[str]:
+    """The queue of each batched task (``celery_prio.Batch``) in every tier: its calls wait there, on their own."""
+    return [
+        settings.subqueue_name(tier, settings.sjf_subqueue(name))
+        for name, task in list(tasks.items())
+        if getattr(task, "batch", None) is not None
+        for tier in TIERS
+    ]
 
 
 def check_task_tiers(tasks: Mapping[str, object]) -> None:

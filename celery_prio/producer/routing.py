@@ -33,6 +33,12 @@ def route_of_call(
     # Nothing names one: a child of a running task runs at its parent's tier. Published by a boosted
     # task (a chain's next step, a child): at least at the tier it was lifted to.
     tier = parent_tier(settings) if tier is None else higher(tier, boosted_floor(settings))
+    if getattr(task, "batch", None) is not None:  # celery_prio.Batch: the task's calls wait in its own queue
+        if options.pop("subqueue", None) is not None:
+            raise ValueError(
+                f"task {name!r} is batched: its calls wait in a queue of their own; subqueue= does not apply"
+            )
+        return (settings.default_tier if tier is None else tier), settings.sjf_subqueue(name)
     sub = subqueue_of_call(settings, name, options.pop("subqueue", None), task, (args, kwargs, options))
     if sub is not None and tier is None:
         tier = settings.default_tier  # a sub-queue lives in a tier: the default one unless named

@@ -5,6 +5,8 @@ BENCH_MODE selects how the same tasks are queued and fetched:
   native - plain Celery, broker-native priorities, prefetch 1 + acks_late
   native_noprefetch - the same with Celery 5.6's worker_disable_prefetch (Redis only: celery #6500's fix)
   prio   - celery-prio installed (three tier queues, scheduler fetch)
+  batches - plain Celery with celery-batches' task class for ``bench.classify_celery_batches`` and what it needs
+            (unlimited prefetch); the batch backlog in a queue of its own
 Tasks sleep for the given time (standing in for GPU time) and append
 ``tier sent start end`` to a Redis list, from which the benchmark computes
 latency, throughput and progress.
@@ -22,7 +24,9 @@ from kombu import Exchange, Queue
 
 import celery_prio
 
-MODES = ("fifo", "native", "native_noprefetch", "prio")
+MODES = ("fifo", "native", "native_noprefetch", "prio", "batches")
+#: Batched inference in the benchmark (``--only batching``): as the example app's classify.
+BATCH = celery_prio.Batch(max_size=32, max_delay=0.005)
 # Broker-native priority values per tier. RabbitMQ: higher is more urgent;
 # kombu's Redis emulation polls priority 0 first, so lower is more urgent.
 NATIVE_PRIORITY = {
@@ -53,6 +57,12 @@ def make_app(
         app.conf.broker_transport_options = dict(transport_options)
     if mode == "prio":
         celery_prio.install(app, queue_prefix=prefix, **prio_settings)
+    elif mode == "batches":
+        name = f"{prefix}.fifo"
+        app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name), Queue(f"{prefix}.bulk")]
+        app.conf.task_default_queue = name
+        app.conf.task_routes = {"bench.infer_chunk": {"queue": f"{prefix}.bulk"}}
+        app.conf.worker_prefetch_multiplier = 0  # celery-batches buffers what it is sent: unlimited prefetch
     else:
         name = f"{prefix}.fifo"
         native = mode.startswith("native")
@@ -75,6 +85,58 @@ def make_app(
         if seconds:
             time.sleep(seconds)
         recorder.rpush(key, f"{tier} {sent} {start} {time.time()}")
+
+    def record_calls(rows: list[tuple[str, float, float]]) -> None:
+        end = time.time()
+        with recorder.pipeline(transaction=False) as pipe:
+            for tier, sent, start in rows:
+                pipe.rpush(key, f"{tier} {sent} {start} {end}")
+            pipe.execute()
+
+    @app.task(shared=False, name="bench.classify", tier="realtime")
+    def classify(tier: str, sent: float, image: list) -> int:
+        """One online request through the example CNN (``--only batching``)."""
+        from celery_prio.example import predict
+
+        start = time.time()
+        label = predict.classify(image)["label"]
+        record_calls([(tier, sent, start)])
+        return label
+
+    @app.task(shared=False, name="bench.classify_batched", tier="realtime", batch=BATCH)
+    def classify_batched(calls: list) -> list:
+        """The same requests, the waiting ones in one forward pass (``celery_prio.Batch``)."""
+        from celery_prio.example import predict
+
+        start = time.time()
+        labels = [p["label"] for p in predict.classify_calls([c.args[2] for c in calls])]
+        record_calls([(c.args[0], c.args[1], start) for c in calls])
+        return labels
+
+    if mode == "batches":
+        from celery_batches import Batches
+
+        @app.task(
+            shared=False, name="bench.classify_celery_batches", base=Batches, flush_every=32, flush_interval=0.005
+        )
+        def classify_celery_batches(requests: list) -> None:
+            """The same requests with celery-batches on plain Celery (what Celery's community offers)."""
+            from celery_prio.example import predict
+
+            start = time.time()
+            predict.classify_calls([r.args[2] for r in requests])
+            record_calls([(r.args[0], r.args[1], start) for r in requests])
+
+    @app.task(shared=False, name="bench.infer_chunk", tier="batch")
+    def infer_chunk(tier: str, sent: float, n: int, seed: int) -> None:
+        """A batch-tier job: ``n`` generated images through the model in one forward pass."""
+        import numpy as np
+
+        from celery_prio.example import predict
+
+        start = time.time()
+        predict.forward(np.random.default_rng(seed).integers(0, 17, (n, 8, 8)).astype(np.float32))
+        record_calls([(tier, sent, start)])
 
     # The same work under a second name: shortest-job-first tells tasks apart by name.
     app.task(shared=False, name="bench.work_long")(work.run)

@@ -49,6 +49,7 @@ class PrioTasks(bootsteps.StartStopStep):
         check_task_tiers(c.app.tasks)  # a task with a bogus tier stops the worker here, loudly
         fetcher = TierFetcher(c, settings)
         c.update_strategies()
+        fetcher.batcher.install_strategies()  # batched tasks: their calls gather into batches, not the pool
         # Celery's ETA path bumps ``c.qos``; with basic_get there is no
         # broker-side window to move, so the setter does nothing.
         c.qos = QoS(fetcher.qos, fetcher.scheduler.concurrency)

@@ -97,6 +97,7 @@ class PrioCollector:
         for name, attr, doc in (
             ("wait_seconds", "wait_hist", "Queue wait, enqueue stamp to dispatch"),
             ("run_seconds", "run_hist", "Slot time per task"),
+            ("batch_size", "batch_hist", "Calls per run of a batched task (celery_prio.Batch)"),
         ):
             metric = HistogramMetricFamily(f"celery_prio_{name}", doc, labels=["tier"])
             for tier, label in ((t, t.label) for t in stats.tiers):

@@ -64,6 +64,8 @@ class TierReport(_FromReply):
     # GPU time slices: runs of sliced tasks that gave their slot back, and the tier's slice length.
     yields: int = 0
     slice_s: float | None = None
+    # Batched tasks (celery_prio.Batch): {"runs", "calls", "mean", "max", "failed"}; None before the first.
+    batches: dict[str, float] | None = None
 
 
 @dataclass
@@ -234,6 +236,8 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
             parts.append(f"boosted out {row.boosted}")
         if row.boosted_seen:  # run here after a boost lifted them into this tier
             parts.append(f"boosted in {row.boosted_seen}")
+        if row.batches:
+            parts.append(f"batches {row.batches['runs']} of {row.batches['mean']:.1f} (max {row.batches['max']})")
         rows[f"prio {label}"] = " · ".join(parts)
     for queue, row in report.unserved.items():
         rows[f"prio unserved {queue}"] = (

@@ -16,6 +16,8 @@ from ..tiers import TIERS, Tier
 WINDOW = 2048  # recent samples kept per tier for percentiles
 #: Histogram bucket bounds (seconds), Prometheus-style, for queue wait and run time.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 7200)
+#: Bucket bounds (calls) for batch sizes (``celery_prio.Batch``).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -30,18 +32,22 @@ def percentile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))  # last: +Inf
+    bounds: tuple[float, ...] = BUCKETS
+    counts: list[int] = field(default_factory=list)  # one per bound, and the last for +Inf
     total: float = 0.0
     n: int = 0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(BUCKETS, value)] += 1
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
         self.n += 1
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, running = [], 0
-        for bound, count in zip([*map(str, BUCKETS), "+Inf"], self.counts, strict=True):
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
             running += count
             out.append((bound, running))
         return out
@@ -58,6 +64,9 @@ class TierFigures:
     max_wait: float = 0.0
     head_wait: float | None = None  # wait of the last message taken from the head
     head_seen_at: float | None = None
+    batch_hist: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))  # calls per batch run
+    batch_failed: int = 0  # calls of batches that failed
+    batch_max: int = 0
 
 
 class WorkerStats:
@@ -81,6 +90,13 @@ class WorkerStats:
     def observe_run(self, tier: Tier, seconds: float) -> None:
         self.tiers[tier].runtimes.append(seconds)
         self.tiers[tier].run_hist.observe(seconds)
+
+    def observe_batch(self, tier: Tier, size: int, failed: int) -> None:
+        """A batch of ``size`` calls ran as one (``failed`` of them failed)."""
+        figures = self.tiers[tier]
+        figures.batch_hist.observe(size)
+        figures.batch_failed += failed
+        figures.batch_max = max(figures.batch_max, size)
 
     def observe_empty(self, tier: Tier) -> None:
         self.tiers[tier].head_wait = self.tiers[tier].head_seen_at = None
@@ -107,4 +123,13 @@ class WorkerStats:
             "run_p99_ms": ms(percentile(runs, 99)),
             "promoted_seen": f.promoted_seen,
             "boosted_seen": f.boosted_seen,
+            "batches": None
+            if not f.batch_hist.n
+            else {
+                "runs": f.batch_hist.n,
+                "calls": int(f.batch_hist.total),
+                "mean": round(f.batch_hist.total / f.batch_hist.n, 2),
+                "max": f.batch_max,
+                "failed": f.batch_failed,
+            },
         }

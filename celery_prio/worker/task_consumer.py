@@ -20,13 +20,14 @@ from celery.worker.consumer import Consumer
 
 from ..brokers import BrokerFigures, Job, fetch_source_for
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
-from ..policy.routes import sjf_queues
+from ..policy.routes import batched_queues, sjf_queues
 from ..policy.scheduler import TierScheduler
 from ..policy.served import ServedQueues
 from ..policy.superseded import PENDING_FOR, RUN, STALE, generation_of, superseded
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
+from .batching import Batcher
 from .fetchloop import FetchLoop
 from .report import WorkerReport, build_report
 from .slice_board import board
@@ -100,13 +101,19 @@ class TierFetcher:
         self._settle_scheduled = False
         for queue in consumer.app.amqp.queues.consume_from.values():
             self.add_queue(queue)
+        # Shortest-first queues served from the start, without waiting for discovery: every registered
+        # task's where asking more queues is free (Redis), else those of the tasks tiered realtime
+        # (the rest are pushed to the worker through the registry as they are first published to);
+        # and every batched task's queue in each tier.
+        known = batched_queues(settings, consumer.app.tasks)
         if settings.sjf:
-            # Shortest-first queues served from the start, without waiting for discovery: every registered
-            # task's where asking more queues is free (Redis), else those of the tasks tiered realtime
-            # (the rest are pushed to the worker through the registry as they are first published to).
-            known = sjf_queues(settings, consumer.app.tasks, every_task=self.source.asks_all_queues_in_one_call)
-            self.source.prepare_subqueues(known)
-            self.served.set_known(known)
+            known += sjf_queues(settings, consumer.app.tasks, every_task=self.source.asks_all_queues_in_one_call)
+        known = list(dict.fromkeys(known))
+        self.source.prepare_subqueues(known)
+        self.served.set_known(known)
+        self.batcher = Batcher(consumer, self.hub, self._take_more)
+        self.batcher.on_start = lambda batch: self.loop.started(batch, batch.tier)
+        self.batcher.on_done = self._batch_done
         self.unserved = UnservedTracker()
         self._unserved_log = EveryMinute()
         self._discovery_log = EveryMinute()
@@ -171,6 +178,7 @@ class TierFetcher:
 
     def cancel(self) -> None:
         self.loop.stop()
+        self.batcher.stop()
         for entry in self._housekeeping:
             self.hub.timer.cancel(entry)
         self._housekeeping.clear()
@@ -225,8 +233,21 @@ class TierFetcher:
         yielded_for = self.board.yielded_for()
         if yielded_for is not None:
             self.scheduler.hand_off_to(yielded_for)
-        self.loop.settle(worker_state.reserved_requests)
+        self.loop.settle(_Held(worker_state.reserved_requests, self.batcher.running))
         self.board.refilled()
+
+    # -- batches (``celery_prio.Batch``, ``batching.py``) -----------------------------------
+    def _take_more(self, batch: Any, count: int) -> list[Any]:
+        """More of a batched task's calls from its own queue in the batch's tier (one broker call)."""
+        name = batch.task.name
+        queue = self.settings.subqueue_name(batch.tier, self.settings.sjf_subqueue(name))
+        if queue not in self.served.all_names():  # not served here (a worker of other tiers): the batch is what it is
+            return []
+        return self.source.take_more(queue, batch.tier, count, name)
+
+    def _batch_done(self, batch: Any, failed: int) -> None:
+        self.stats.observe_batch(batch.tier, len(batch.requests), failed)
+        self.slot_freed()
 
     def _check_slices(self) -> None:
         """Tell running sliced tasks which higher tiers they yield to (no broker call here); and learn which
@@ -291,18 +312,34 @@ class TierFetcher:
         self.source.dead_letter(message, reason[:500], tier)
 
     def _deliver(self, tier: Tier, message: Any) -> None:
-        """Hand one message to Celery; anything that cannot run goes to the dead letters, never up the stack."""
+        """Hand one message to Celery (or, a batched task's call, start or join a batch); anything that cannot
+        run goes to the dead letters, never up the stack."""
+        if not self._admit(tier, message):
+            return
+        if self.batcher.batches(message):
+            self.batcher.deliver(tier, message, self.loop.fetching_queue, self._hand_over, self._admit_and_hand)
+            return
+        self._hand_over(message)
+
+    def _admit_and_hand(self, tier: Tier, message: Any) -> None:
+        """A batch's top-up: each message is checked like any fetched one before Celery sees it."""
+        if self._admit(tier, message):
+            self._hand_over(message)
+
+    def _admit(self, tier: Tier, message: Any) -> bool:
+        """Whether ``message`` goes on to Celery: not undecodable, not malformed, not a boosted task's stale
+        copy (each of those is settled here); its wait counted."""
         if message.errors:
             try:
                 message._reraise_error()  # kombu keeps the decode error on the message
             except Exception as exc:  # Celery's handler (PrioConsumer's, below) dead-letters it and acks
                 self.c.on_decode_error(message, exc)
-            return
+            return False
         problem = headers_problem(message.headers)
         if problem is not None:
             self.dead_letter(message, problem)
             message.ack()
-            return
+            return False
         headers = message.headers or {}
         verdict = superseded.verdict(
             headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER)), time.time()
@@ -312,10 +349,10 @@ class TierFetcher:
             superseded.skipped += 1
             logger.info("celery-prio: %s[%s] was boosted: stale copy acked unrun", headers.get("task"), headers["id"])
             message.ack()
-            return
+            return False
         if verdict != RUN:  # a boost of it is under way: its copy may not be on the broker yet; ask again
             self.hub.call_later(float(verdict), lambda: self._deliver(tier, message))
-            return
+            return False
         now = time.time()
         if BOOSTED_HEADER in headers:
             self.stats.observe_boosted(tier)
@@ -327,6 +364,9 @@ class TierFetcher:
             self.stats.observe_fetch(tier, wait, promoted, now)
             if wait is not None and self.loop.fetching_queue:
                 self.served.observe_wait(self.loop.fetching_queue, wait)
+        return True
+
+    def _hand_over(self, message: Any) -> None:
         try:
             self._handler(message)
         except Exception as exc:  # Celery's handler let it through: still never lost, never fatal
@@ -365,6 +405,16 @@ def _held_delivery_tags() -> set[str]:
     """Delivery tags of every request this process still runs or will run (active, reserved, ETA)."""
     requests = [*worker_state.active_requests, *worker_state.reserved_requests, *worker_state.scheduled_requests]
     return {str(tag) for r in requests if (tag := getattr(getattr(r, "message", None), "delivery_tag", None))}
+
+
+class _Held:
+    """What still holds a slot: Celery's reserved requests, and the batches in flight."""
+
+    def __init__(self, requests: Any, batches: Any) -> None:
+        self.requests, self.batches = requests, batches
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.requests or key in self.batches
 
 
 def _guarded(job: Job) -> Any:

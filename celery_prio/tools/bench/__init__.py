@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from .batching import bench_batching
 from .bulk import bench_bulk
 from .core import BROKER_URLS, DEFAULTS_RT_RATE, Workload, broker_kind
 from .defaults import bench_defaults
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
-        "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), or scale (idle "
-        "and busy fleets); the last two are not part of a full run",
+        "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), scale (idle "
+        "and busy fleets), or batching (the example CNN, batched or not; needs the demo extra and celery-batches); "
+        "the last three are not part of a full run",
     )
     parser.add_argument(
         "--scale-workers", default="1,16", help="idle fleet sizes for --only scale, comma-separated (e.g. 1,16,64)"
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["redis"]["boost_cost_s"] = bench_boost_cost()
             if args.only in (None, "recovery"):
                 results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
+            if args.only == "batching":
+                results[kind]["batching"] = bench_batching(broker, Path(tmp), seconds=args.duration)
             if args.only == "scale":
                 sizes = tuple(int(n) for n in args.scale_workers.split(","))
                 results[kind]["scale"] = bench_scale(broker, Path(tmp), sizes, args.scale_window)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 import uuid
@@ -17,9 +18,12 @@ from ...brokers import adapter_for
 from ..benchapp import NATIVE_PRIORITY, make_app
 from ..workers import WorkerProcess
 
-BROKER_URLS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
+#: The benchmark's Redis (broker, and where workers record what ran); PRIO_BENCH_REDIS points it elsewhere
+#: (``python -m celery_prio.example.gpu_check --batching`` starts one of its own on a GPU machine).
+BENCH_REDIS = os.environ.get("PRIO_BENCH_REDIS", "redis://127.0.0.1:6379/14")
+BROKER_URLS = {"redis": BENCH_REDIS, "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
 
-RECORD_URL = "redis://127.0.0.1:6379/14"
+RECORD_URL = BENCH_REDIS
 
 NO_CAPS = {"realtime": None, "batch": None, "offline": None}
 
@@ -139,6 +143,13 @@ class Run:
         else:
             task.apply_async(args)
         return sent
+
+    def publish_task(self, task: Any, args: tuple, tier: str) -> None:
+        """``task`` with ``args``: into ``tier`` under celery-prio, to its routed queue on plain Celery."""
+        if self.mode == "prio":
+            task.apply_async(args, tier=tier)
+        else:
+            task.apply_async(args)
 
     def read(self) -> list[tuple[str, float, float, float]]:
         rows = self.records.lrange(f"{self.prefix}:records", 0, -1)

@@ -1,0 +1,115 @@
+"""Dynamic batching: one run of a task serves many waiting calls, within a delay bound, inside its tier.
+
+    @app.task(tier="realtime", batch=celery_prio.Batch(max_size=32, max_delay=0.005))
+    def classify(calls):  # a list of celery_prio.Call(id, args, kwargs), oldest first
+        return [model(c.args[0]) for c in calls]  # one result per call, same order
+
+Callers are unchanged: ``classify.delay(image)`` returns an ``AsyncResult``
+whose ``.get()`` is that call's result. A batched task's calls wait in a
+queue of their own inside their tier (``<prefix>.<tier>.sjf-<task>``); when
+the scheduler gives that queue a slot, the worker takes up to ``max_size``
+of them in one fetch, waits at most ``max_delay`` for more while fewer are
+waiting, runs the function once with the list and stores one result per
+call. The batch is one run to the scheduler (charged its measured time), and
+each message is acked on its own (``acks_late`` honoured). An exception
+raised by the function fails every call of the batch; an ``Exception``
+instance in the returned list fails that call only; a list of the wrong
+length fails all of them with :class:`BatchResultError`.
+
+Outside a worker's batch (a direct call, eager mode, a call with an ETA) the
+function still receives a list: of one call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+#: The most calls one batch may hold (a batch is one message of each call in hand, and one pool job).
+MAX_BATCH = 10_000
+#: The longest ``max_delay`` (seconds): a batch holds a worker slot while it waits.
+MAX_DELAY = 60.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """How a task's calls are batched: at most ``max_size`` per run, waiting at most ``max_delay`` seconds
+    beyond a free slot for the batch to fill."""
+
+    max_size: int = 32
+    max_delay: float = 0.005
+
+    def __post_init__(self) -> None:
+        size, delay = self.max_size, self.max_delay
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_BATCH:
+            raise ValueError(f"celery_prio.Batch(max_size=...) must be a whole number 1..{MAX_BATCH}, got {size!r}")
+        number = isinstance(delay, (int, float)) and not isinstance(delay, bool) and math.isfinite(delay)
+        if not number or not 0 <= delay <= MAX_DELAY:
+            raise ValueError(f"celery_prio.Batch(max_delay=...) must be seconds, 0..{MAX_DELAY:g}, got {delay!r}")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a batched task: its task id, and the arguments it was called with."""
+
+    id: str
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchResultError(Exception):
+    """A batched task returned something other than one result per call."""
+
+
+def batch_of(task: Any) -> Batch | None:
+    """The task's ``batch=`` option, checked (``ConfigError`` naming the task for anything but a ``Batch``)."""
+    spec = getattr(task, "batch", None)
+    if spec is None or isinstance(spec, Batch):
+        return spec
+    raise ConfigError(f"task {getattr(task, 'name', task)!r}: batch= takes celery_prio.Batch(...), not {spec!r}")
+
+
+def results_of(run: Callable[[list[Call]], Any], calls: list[Call], name: str) -> list[Any]:
+    """Run the batched function once; one outcome per call: its result, or the exception that failed it."""
+    try:
+        results = run(calls)
+    except Exception as exc:  # the whole call failed: so did every call of the batch
+        return [exc] * len(calls)
+    if not isinstance(results, Sequence) or isinstance(results, (str, bytes)) or len(results) != len(calls):
+        got = f"{len(results)} results" if isinstance(results, Sequence) else repr(type(results).__name__)
+        error = BatchResultError(
+            f"batched task {name!r} returned {got} for {len(calls)} calls; it must return a list with one result "
+            f"per call, in the calls' order"
+        )
+        return [error] * len(calls)
+    return list(results)
+
+
+def takes_batches(task: Any) -> None:
+    """Make ``task.run`` take a single call too (a direct call, eager mode, an ETA): as a batch of one.
+
+    The function the user wrote, which takes a list of calls, is kept as
+    ``task._celery_prio_batch_run`` for the worker's batches. Idempotent.
+    """
+    if getattr(task, "_celery_prio_batch_run", None) is not None:
+        return
+    run = task.run
+
+    def run_one(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], list) and all(isinstance(c, Call) for c in args[0]):
+            return run(args[0])
+        call = Call(getattr(task.request, "id", None) or "", tuple(args), dict(kwargs))
+        (outcome,) = results_of(run, [call], task.name)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    task._celery_prio_batch_run = run
+    task.run = run_one
+
+
+__all__ = ["Batch", "BatchResultError", "Call", "batch_of", "results_of", "takes_batches"]
