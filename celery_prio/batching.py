@@ -110,6 +110,9 @@ def takes_batches(task: Any) -> None:
 
     task._celery_prio_batch_run = run
     task.run = run_one
+    # Celery checks a call's arguments against the function's signature, which takes the list of calls:
+    # a call's own arguments are the task's business (a bad one fails that call, in the batch).
+    task.typing = False
 
 
 __all__ = ["Batch", "BatchResultError", "Call", "batch_of", "results_of", "takes_batches"]

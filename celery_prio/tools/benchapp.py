@@ -76,6 +76,15 @@ def make_app(
             app.conf.task_acks_late = True
         if mode == "native_noprefetch":
             app.conf.worker_disable_prefetch = True  # fetch only while a pool slot is free
+    if os.environ.get("BENCH_WARM_MODEL") == "1":  # --only batching: no request pays for loading the model
+        from celery import signals
+
+        def warm_model(**_: object) -> None:
+            from celery_prio.example import predict
+
+            predict.warm_up()
+
+        signals.worker_process_init.connect(warm_model, weak=False)
     recorder = redis.Redis.from_url(record_url)
     key = f"{prefix}:records"
 

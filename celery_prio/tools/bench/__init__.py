@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "recovery",
             "chaos",
             "scale",
+            "batching",
         ),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "

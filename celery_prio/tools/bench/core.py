@@ -87,6 +87,7 @@ class Run:
         self.logdir, self.concurrency = logdir, concurrency
         self.worker: WorkerProcess | None = None  # the last one started
         self.workers: list[WorkerProcess] = []
+        self.extra_env: dict[str, str] = {}  # more environment for its workers
         self.started = 0  # workers started so far (each gets its own node name and log)
 
     def start_worker(self, wait: bool = True) -> None:
@@ -96,6 +97,8 @@ class Run:
             "BENCH_PREFIX": self.prefix,
             "BENCH_RECORD": RECORD_URL,
             "BENCH_OPTIONS": json.dumps(self.app_options),
+            "OMP_NUM_THREADS": "1",  # torch tasks (--only batching): one thread per pool process, as the demo runs
+            **self.extra_env,
         }
         self.started += 1
         n = self.started
