@@ -221,7 +221,13 @@ SETTINGS: tuple[Setting, ...] = (
         "an idle tier's weight: unused, the busy tiers keep their ratio (`proportional`), or given to the next "
         "busy tier below (`next_below`)",
     ),
-    Setting("poll_interval", 0.05, SCHEDULING, "longest pause between fetch attempts while every tier is empty"),
+    Setting(
+        "poll_interval",
+        0.05,
+        SCHEDULING,
+        "where an idle worker cannot block on the broker (RabbitMQ quorum queues, `prio_fetch = \"consume\"`'s "
+        "sub-queues): the longest pause between fetch attempts while every tier is empty",
+    ),
     Setting("aging_interval", 1.0, AGING, "seconds between aging passes (Redis)"),
     Setting("metrics_port", None, OBSERVABILITY, "serve Prometheus `/metrics` from each worker on this port"),
     Setting("metrics_host", "127.0.0.1", OBSERVABILITY, "address for `/metrics` (`0.0.0.0` in containers)"),
