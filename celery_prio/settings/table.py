@@ -225,7 +225,7 @@ SETTINGS: tuple[Setting, ...] = (
         "poll_interval",
         0.05,
         SCHEDULING,
-        "where an idle worker cannot block on the broker (RabbitMQ quorum queues, `prio_fetch = \"consume\"`'s "
+        'where an idle worker cannot block on the broker (RabbitMQ quorum queues, `prio_fetch = "consume"`\'s '
         "sub-queues): the longest pause between fetch attempts while every tier is empty",
     ),
     Setting("aging_interval", 1.0, AGING, "seconds between aging passes (Redis)"),
