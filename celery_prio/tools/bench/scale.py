@@ -79,16 +79,25 @@ def _rate(before: float | None, after: float | None, seconds: float) -> float | 
     return None if before is None or after is None else (after - before) / seconds
 
 
-def run_idle(mode: str, broker: str, workers: int, window: float, logdir: Path) -> dict[str, Any]:
-    """``workers`` idle workers for ``window`` seconds: broker CPU, Redis commands/s, workers' CPU; then pickups."""
+def _fleet(mode: str, broker: str, workers: int, logdir: Path) -> Run:
+    """``workers`` workers of one app (``--concurrency 1``), started together, ready and settled."""
     run = Run(mode, broker, logdir, concurrency=1)
-    meter = BrokerMeter(broker)
     try:
         for _ in range(workers):
             run.start_worker(wait=False)
         for worker in run.workers:
             worker.wait_ready(timeout=60 + 3 * workers)
-        time.sleep(SETTLE)
+    except BaseException:
+        run.close()
+        raise
+    time.sleep(SETTLE)
+    return run
+
+
+def run_idle(mode: str, broker: str, workers: int, window: float, logdir: Path) -> dict[str, Any]:
+    """``workers`` idle workers for ``window`` seconds: broker CPU, Redis commands/s, workers' CPU; then pickups."""
+    run, meter = _fleet(mode, broker, workers, logdir), BrokerMeter(broker)
+    try:
         groups = {w.pid for w in run.workers}
         cpu0, (broker0, commands0), t0 = group_cpu(groups), meter.read(), time.monotonic()
         time.sleep(window)
@@ -128,14 +137,8 @@ def pickup(run: Run) -> dict[str, Any]:
 
 def run_busy(mode: str, broker: str, workers: int, tasks: int, logdir: Path) -> dict[str, Any]:
     """``workers`` workers drain ``tasks`` short tasks of all tiers: the broker's CPU per task done."""
-    run = Run(mode, broker, logdir, concurrency=1)
-    meter = BrokerMeter(broker)
+    run, meter = _fleet(mode, broker, workers, logdir), BrokerMeter(broker)
     try:
-        for _ in range(workers):
-            run.start_worker(wait=False)
-        for worker in run.workers:
-            worker.wait_ready(timeout=60 + 3 * workers)
-        time.sleep(SETTLE)
         tiers = ("realtime", "batch", "batch", "offline")
         (broker0, commands0), t0 = meter.read(), time.monotonic()
         for i in range(tasks):
