@@ -134,11 +134,15 @@ def test_a_redis_restart_under_acks_late_load_keeps_the_worker_up_and_completes_
             task.apply_async((f"load-{i}", 0.02))  # all accepted before the restart (appendfsync always)
         worker = env.start_worker(concurrency=4)
         env.wait_for(lambda: len(ended(env)) >= 60, timeout=30, what="the load to be under way")
+        # One more waits on the worker's timer (countdown) across the restart: it runs once, not lost, not twice.
+        env.app.tasks["t.sleep"].apply_async(("load-eta", 0.0), countdown=3, tier="realtime")
+        time.sleep(1.0)  # fetched at once: realtime keeps a slot in reserve
         server.kill()  # SIGKILL
         server.wait(10)
         time.sleep(1.0)
         server = redis_server(port, tmp_path / "redis")
-        env.wait_for(lambda: len(ended(env)) == n, timeout=90, what=f"all {n} tasks to complete")
+        env.wait_for(lambda: len(ended(env)) == n + 1, timeout=90, what=f"all {n + 1} tasks to complete")
+        assert len(events(env, "load-eta", "start")) == 1, events(env, "load-eta", "start")
         assert worker.proc.poll() is None, "the worker died across the Redis restart"
         assert "Unrecoverable error" not in worker.log()
     finally:

@@ -40,10 +40,11 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None,
         extra_args: Sequence[str] = (),
         cwd: str | Path | None = None,
+        python: str | None = None,
     ) -> None:
         self.log_path = Path(log_path)
         args = [
-            sys.executable,
+            python or sys.executable,  # another virtualenv's interpreter: a baseline that needs other packages
             "-m",
             "celery",
             "-A",

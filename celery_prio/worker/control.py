@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from celery.worker import state as worker_state
 from celery.worker.control import control_command, inspect_command
 
 from ..policy.superseded import superseded
+from .held_requests import waiting_requests
 
 
 @inspect_command()
@@ -65,7 +65,7 @@ def prio_supersede(
     if commit:
         superseded.commit(task_id, generation, time.time())
         return {"prefix": prefix, "committed": True}
-    held = any(r.id == task_id for r in (*worker_state.reserved_requests, *worker_state.scheduled_requests))
+    held = any(r.id == task_id for r in waiting_requests(getattr(getattr(state, "consumer", None), "timer", None)))
     if not held:
         pending = float(pending_for) if isinstance(pending_for, (int, float)) and pending_for > 0 else None
         superseded.record(task_id, generation, time.time(), pending_for=pending)

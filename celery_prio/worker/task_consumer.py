@@ -29,6 +29,7 @@ from ..tiers import TIERS, Tier
 from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 from .batching import Batcher
 from .fetchloop import FetchLoop
+from .held_requests import delivery_tags, held_requests
 from .report import WorkerReport, build_report
 from .slice_board import board
 from .stats import WorkerStats
@@ -161,7 +162,7 @@ class TierFetcher:
         global _CONNECTIONS
         _CONNECTIONS += 1
         if _CONNECTIONS > 1:  # a reconnect: what was fetched on the connection that died and is not held
-            self.source.recover_own(_held_delivery_tags())
+            self.source.recover_own(delivery_tags(held_requests(self.hub.timer)))
         self.loop.start()
         jobs = [
             # Safety net for requests that end without a pool callback
@@ -399,12 +400,6 @@ class TierFetcher:
 
 #: Connections this worker process has fetched on (more than one: it reconnected).
 _CONNECTIONS = 0
-
-
-def _held_delivery_tags() -> set[str]:
-    """Delivery tags of every request this process still runs or will run (active, reserved, ETA)."""
-    requests = [*worker_state.active_requests, *worker_state.reserved_requests, *worker_state.scheduled_requests]
-    return {str(tag) for r in requests if (tag := getattr(getattr(r, "message", None), "delivery_tag", None))}
 
 
 class _Held:

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
         "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), scale (idle "
-        "and busy fleets), or batching (the example CNN, batched or not; needs the demo extra and celery-batches); "
+        "and busy fleets), or batching (the example CNN, batched or not; needs the demo extra; celery-batches' "
+        "row: --batches-python); "
         "the last three are not part of a full run",
     )
     parser.add_argument(
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scale-window", type=float, default=15.0, help="seconds an idle fleet is measured")
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
+    parser.add_argument(
+        "--batches-python",
+        help="--only batching: the interpreter of a virtualenv with celery-batches (it caps Celery below 5.7), "
+        "for its row; without it the row runs only if celery-batches is installed here",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     w = Workload(duration=args.duration, concurrency=args.concurrency, rt_rate=args.rt_rate)
@@ -113,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.only in (None, "recovery"):
                 results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
             if args.only == "batching":
-                results[kind]["batching"] = bench_batching(broker, Path(tmp), seconds=args.duration)
+                results[kind]["batching"] = bench_batching(
+                    broker, Path(tmp), seconds=args.duration, batches_python=args.batches_python
+                )
             if args.only == "scale":
                 sizes = tuple(int(n) for n in args.scale_workers.split(","))
                 results[kind]["scale"] = bench_scale(broker, Path(tmp), sizes, args.scale_window)

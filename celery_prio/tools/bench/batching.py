@@ -11,7 +11,10 @@ call answered and P99 <= 200 ms.
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,14 +40,19 @@ def _image(rng: random.Random) -> list[list[float]]:
     return [[float(rng.randint(0, 16)) for _ in range(8)] for _ in range(8)]
 
 
-def run_rate(setup: str, broker: str, rate: int, seconds: float, logdir: Path) -> dict[str, Any]:
+def run_rate(
+    setup: str, broker: str, rate: int, seconds: float, logdir: Path, python: str | None = None
+) -> dict[str, Any]:
     mode, task_name = SETUPS[setup]
     run = Run(mode, broker, logdir, concurrency=2)
     run.extra_env = {"BENCH_WARM_MODEL": "1"}  # every pool process loads the model before it is ready
+    run.python = python
     rng = random.Random(rate)
     try:
         run.start_worker()
-        task, chunk = run.app.tasks[task_name], run.app.tasks["bench.infer_chunk"]
+        # celery-batches' task is defined only where celery-batches is installed (the worker's): sent by name.
+        task = run.app.tasks.get(task_name) or run.app.signature(task_name)
+        chunk = run.app.tasks["bench.infer_chunk"]
         run.publish_task(task, ("warm", time.time(), _image(rng)), "realtime")  # the model loads before the clock
         deadline = time.time() + 30
         while not any(r[0] == "warm" for r in run.read()) and time.time() < deadline:
@@ -91,17 +99,49 @@ def sustained(rows: dict[str, Any]) -> int:
     return max(map(int, kept), default=0)
 
 
-def bench_batching(broker: str, logdir: Path, rates: tuple[int, ...] = RATES, seconds: float = 8.0) -> dict:
+def baseline_python(batches_python: str | None) -> str | None:
+    """The interpreter celery-batches' worker runs under, or None when there is none (its row is skipped).
+
+    celery-batches caps Celery below 5.7, so it usually has a virtualenv of its own (``--batches-python``).
+    """
+    if batches_python is None:
+        return sys.executable if importlib.util.find_spec("celery_batches") else None
+    probe = subprocess.run(
+        [batches_python, "-c", "import celery_batches, celery_prio.tools.benchapp"], capture_output=True, text=True
+    )
+    if probe.returncode:
+        raise SystemExit(
+            f"--batches-python {batches_python}: cannot import celery_batches and celery_prio there "
+            f"(pip install torch==2.13.0 -e '.[demo,batches-baseline]' in that virtualenv):\n{probe.stderr[-800:]}"
+        )
+    return batches_python
+
+
+def bench_batching(
+    broker: str,
+    logdir: Path,
+    rates: tuple[int, ...] = RATES,
+    seconds: float = 8.0,
+    batches_python: str | None = None,
+) -> dict:
     kind = broker_kind(broker)
+    baseline = baseline_python(batches_python)
+    setups = [s for s in SETUPS if baseline or SETUPS[s][0] != "batches"]
+    if not baseline:
+        print(
+            "note: celery-batches is not installed here, so its row is skipped; it caps Celery below 5.7: "
+            "install it in a virtualenv of its own and pass --batches-python (docs/guides/batching.md)"
+        )
     print(
         f"\n== {kind}: dynamic batching (the example CNN, one worker of 2 slots, batch backlog running, {seconds:g} s)"
     )
     print(f"{'setup':<32}{'rate/s':>8}{'done':>12}{'429s':>6}{'p50 ms':>9}{'p99 ms':>9}{'batch img/s':>13}")
     results: dict[str, Any] = {}
-    for setup in SETUPS:
+    for setup in setups:
         rows = results[setup] = {}
+        python = baseline if SETUPS[setup][0] == "batches" else None
         for rate in rates:
-            row = rows[str(rate)] = run_rate(setup, broker, rate, seconds, logdir)
+            row = rows[str(rate)] = run_rate(setup, broker, rate, seconds, logdir, python)
             print(
                 f"{setup:<32}{rate:>8}{row['done']:>6}/{row['sent']:<5}{row['refused']:>6}"
                 f"{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"

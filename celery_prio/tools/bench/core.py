@@ -88,6 +88,7 @@ class Run:
         self.worker: WorkerProcess | None = None  # the last one started
         self.workers: list[WorkerProcess] = []
         self.extra_env: dict[str, str] = {}  # more environment for its workers
+        self.python: str | None = None  # its workers' interpreter (None: this one)
         self.started = 0  # workers started so far (each gets its own node name and log)
 
     def start_worker(self, wait: bool = True) -> None:
@@ -108,6 +109,7 @@ class Run:
             concurrency=self.concurrency,
             hostname=f"{self.mode}{n}-{self.prefix}@%h",  # distinct node names: a second worker is not the first
             env=env,
+            python=self.python,
         )
         self.workers.append(self.worker)
         if wait:
