@@ -160,13 +160,14 @@ def test_a_tier_gets_one_slot_until_its_run_time_is_known():
 
 
 def test_a_task_blocked_waiting_does_not_hold_its_tiers_cold_start_slot():
-    """A realtime task waiting on a dependency lifted into realtime: the dependency must get a slot."""
-    s = TierScheduler(W821, concurrency=4, reserve=0, served=frozenset({R}))
-    s.dispatched(R)  # the waiter, run time unknown
+    """A batch task waiting on a dependency lifted into batch: the dependency must get a slot.
+    (Realtime has no cold-start limit to free: see the test above.)"""
+    s = TierScheduler(W821, concurrency=4, reserve=0, served=frozenset({B}))
+    s.dispatched(B)  # the waiter, run time unknown
     assert s.order() == []
-    s.blocked = {R: 1}  # it entered celery_prio.wait
-    assert s.order() == [R]
-    s.dispatched(R)  # its dependency
+    s.blocked = {B: 1}  # it entered celery_prio.wait
+    assert s.order() == [B]
+    s.dispatched(B)  # its dependency
     assert s.order() == []  # still one unknown-length task that runs
     s.blocked = {}
     assert s.order() == []
@@ -266,3 +267,20 @@ def test_hand_off_puts_the_tier_yielded_to_first_once():
     assert s.order()[0] is R
     s.finished(R, 0.02, s.dispatched(R))
     assert s.order()[0] is B
+
+
+def test_a_cold_worker_gives_a_realtime_burst_every_free_slot_but_a_new_low_tier_only_one():
+    """Before any task finished, batch and offline get one slot each (their run time is a guess);
+    realtime gets every slot it may use, so a burst into a cold worker does not queue behind its first task."""
+    s = TierScheduler(W821, concurrency=4, reserve=1, min_share=0)
+    for _ in range(4):
+        assert s.order()[0] is R
+        s.dispatched(R)
+    assert s.order() == []  # all four slots realtime's
+
+    s = TierScheduler(W821, concurrency=4, reserve=0, min_share=0)
+    s.empty(R)
+    s.dispatched(B)
+    assert B not in s.order()  # one batch task running, its run time unknown: no second slot yet
+    s.dispatched(O)
+    assert s.order() == [R]  # the same for offline; realtime may still come

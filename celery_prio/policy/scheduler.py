@@ -90,6 +90,10 @@ class TierScheduler:
     def free_slots(self) -> int:
         return max(self.concurrency - self.running, 0)
 
+    def _may_take_another(self, tier: Tier) -> bool:
+        state = self.tiers[tier]
+        return tier is Tier.REALTIME or state.measured or state.running <= self.blocked.get(tier, 0)
+
     def _low_tiers_allowed(self) -> bool:
         low = self.tiers[Tier.BATCH].running + self.tiers[Tier.OFFLINE].running
         return low < self.concurrency - self.reserve
@@ -139,15 +143,13 @@ class TierScheduler:
     def _ranking(
         self, headroom: bool, overrun: Mapping[Tier, float] | None = None, busy_now: Iterable[Tier] = ()
     ) -> list[Tier]:
-        # Until one of its tasks finished, a tier's run time is a guess: give it
-        # one slot, not a burst of slots it might hold for minutes. A task blocked
-        # waiting on other work (``blocked``) does not count: what it waits on may
-        # be the next task of its own tier (a boosted dependency).
-        candidates = [
-            t
-            for t in TIERS
-            if t in self.served and (self.tiers[t].measured or self.tiers[t].running <= self.blocked.get(t, 0))
-        ]
+        # Until one of its tasks finished, a batch or offline tier's run time is a
+        # guess: give it one slot, not a burst of slots it might hold for minutes.
+        # Not realtime: its tasks are short by contract, and a burst into a cold
+        # worker (no warm-up) would otherwise queue behind its first task. A task
+        # blocked waiting on other work (``blocked``) does not count: what it
+        # waits on may be the next task of its own tier (a boosted dependency).
+        candidates = [t for t in TIERS if t in self.served and self._may_take_another(t)]
         if headroom and not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
         weights = self.effective_weights(busy_now)

@@ -67,6 +67,14 @@ class Doorbell:
     def waiting(self) -> bool:
         return self._connection is not None
 
+    def quiet_tiers(self) -> frozenset[Tier]:
+        """Tiers known to be empty: a wait on their bells is out and no token has come back.
+
+        Every publish into a tier rings its bell, so until the reply is read their queues hold nothing
+        (the rare paths that ring no bell are what the safety net at each timeout is for). A reply already
+        in the socket is read on the loop's next turn, and the fetch it triggers asks them again."""
+        return self._tiers if self._connection is not None and not self._unblocked else frozenset()
+
     def wait(self, tiers: list[Tier]) -> bool:
         """Block on ``tiers``' bells until a token arrives or ``BELL_TIMEOUT`` passes, then call ``on_ring``.
         False when it cannot (Redis unreachable): the caller polls instead."""

@@ -86,9 +86,16 @@ class RedisFetchSource(FetchSource):
         return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
 
     def take(self, order: list[Tier]) -> Take:
+        # Tiers whose bells this worker waits on are known to be empty: not asked (a busy worker whose
+        # reserved slot is free would otherwise ask realtime's every list after each task it starts).
+        quiet = self.doorbell.quiet_tiers() if self.doorbell is not None else frozenset()
+        if quiet.issuperset(order):
+            return Take(empty=tuple(order))
         keys: list[str] = []
         owners: list[Candidate] = []
         for tier in order:
+            if tier in quiet:
+                continue
             for candidate in self.served.candidates(tier):
                 for key in self.keys_for(candidate.name):
                     keys.append(key)
