@@ -71,6 +71,26 @@ def test_an_idle_worker_is_woken_by_its_tiers_bell_at_once(redis_env):
     assert sorted(waits)[2] < 0.05, waits
 
 
+def test_a_busy_redis_worker_does_not_ask_the_tiers_it_is_blocked_on(redis_env):
+    """Its batch slot busy and its reserved slot free, the worker waits on realtime's bell: realtime is known to be
+    empty until a token comes, so a batch backlog costs one fetch per task (not a second one asking realtime's every
+    list each time), and a realtime arrival is still taken at once."""
+    env = redis_env
+    env.start_worker(concurrency=2)  # one slot for batch, one kept for realtime
+    n = 60
+    for i in range(n):
+        env.app.tasks["t.sleep"].apply_async((f"b{i}", 0.02), tier="batch")
+    env.wait_for(lambda: any(x["tag"] == "b5" for x in env.log()), what="the backlog to be under way")
+    sent = time.time()
+    env.app.tasks["t.rt_sleep"].delay("rt", 0.0)
+    env.wait_for(lambda: env.depth(Tier.BATCH) == 0 and len(env.log()) >= 2 * (n + 1), what="everything to run")
+    started = {x["tag"]: x["t"] for x in env.log() if x["kind"] == "start"}
+    assert started["rt"] - sent < 0.1, started["rt"] - sent  # woken by its bell, not at a timeout
+    (prio,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
+    # One fetch per task, plus the idle spells' (a few); asking realtime after every task would be 2 per task.
+    assert prio["broker_calls"] <= 1.3 * (n + 1) + 10, prio["broker_calls"]
+
+
 def test_a_busy_rabbitmq_worker_holds_nothing_and_an_idle_one_only_what_it_is_about_to_run(amqp_env):
     env = amqp_env
     node = f"busy-{env.prefix}@%h"
