@@ -60,6 +60,8 @@ class RedisFetchSource(FetchSource):
         self._registry_version: Any = None
         self._served_version: Any = None  # the registry version whose sub-queues this worker serves
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
+        # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
+        self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
 
     def attach_loop(self, hub: Any) -> None:
         self.doorbell = Doorbell(
@@ -88,7 +90,12 @@ class RedisFetchSource(FetchSource):
     def take(self, order: list[Tier]) -> Take:
         # Tiers whose bells this worker waits on are known to be empty: not asked (a busy worker whose
         # reserved slot is free would otherwise ask realtime's every list after each task it starts).
-        quiet = self.doorbell.quiet_tiers() if self.doorbell is not None else frozenset()
+        # Only while the served lists are those the last full ask found empty: a sub-queue discovered
+        # since (from that very reply, say) was never asked, and its first message rang no bell we wait on.
+        version = self.served.version
+        quiet: frozenset[Tier] = frozenset()
+        if self.doorbell is not None and version == self._found_empty[0]:
+            quiet = self.doorbell.quiet_tiers() & self._found_empty[1]
         if quiet.issuperset(order):
             return Take(empty=tuple(order))
         keys: list[str] = []
@@ -103,6 +110,9 @@ class RedisFetchSource(FetchSource):
         self.broker_calls += 1
         hit = self.fetch(keys, [c.tier for c in owners])
         if hit is None:
+            if not quiet:  # every list of these tiers asked and found empty, as served now
+                seen = self._found_empty[1] if self._found_empty[0] == version else frozenset()
+                self._found_empty = (version, seen | frozenset(order))
             return Take(empty=tuple(order), empty_queues=tuple(dict.fromkeys(c.name for c in owners)))
         index, message = hit
         if message is None:
