@@ -316,11 +316,16 @@ class RedisFetchSource(FetchSource):
         fresh = tiers != self._serving_written or self._beats % SERVING_REWRITE == 0
         held = self._beat(
             keys=[self.settings.heartbeats_key, self.settings.serving_key, self.settings.housekeeper_key],
-            args=[self.worker_name, tiers if fresh else "", int(HOUSEKEEPER_LEASE * 1000)],
+            args=[self.worker_name, tiers if fresh else "", int(self._lease() * 1000)],
             client=client or self.channel.client,
         )
         self._serving_written = tiers
         self.housekeeper = bool(held)
+
+    def _lease(self) -> float:
+        """The housekeeper lease: no longer than the shortest ``prio_redeliver_after``. A holder silent that
+        long is dead by the fleet's own rule, and its successor's sweep must not wait for more than that."""
+        return min(HOUSEKEEPER_LEASE, *self.settings.redeliver_after.values())
 
     def restore_or_dead_letter(self, tag: str) -> None:
         """Back to its queue through kombu's restore (marked redelivered); one kombu cannot read back (nested

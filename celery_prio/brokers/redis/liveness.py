@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between beats. Several beats fit in the shortest bound (``MIN_REDELIVER_AFTER``, 2 s).
 HEARTBEAT_INTERVAL = 1.0
-#: Seconds the housekeeper lease lasts without a beat: a dead housekeeper's jobs move to another worker
-#: within this plus one beat (every beat of the holder renews it).
+#: Seconds the housekeeper lease lasts without a beat (at most; never longer than the shortest
+#: ``prio_redeliver_after``): a dead housekeeper's jobs move to another worker within this plus one beat
+#: (every beat of the holder renews it).
 HOUSEKEEPER_LEASE = 3.0
 
 
