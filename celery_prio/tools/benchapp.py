@@ -122,7 +122,7 @@ def make_app(
         record_calls([(c.args[0], c.args[1], start) for c in calls])
         return labels
 
-    if mode == "batches" and _has_celery_batches():  # the worker's side (its own virtualenv, --batches-python)
+    if mode == "batches" and has_celery_batches():  # the worker's side (its own virtualenv, --batches-python)
         from celery_batches import Batches
 
         @app.task(
@@ -183,7 +183,7 @@ def __getattr__(name: str) -> Celery:
     raise AttributeError(name)
 
 
-def _has_celery_batches() -> bool:
+def has_celery_batches() -> bool:
     """celery-batches caps Celery below 5.7, so it often lives in another virtualenv than the bench's client."""
     import importlib.util
 

@@ -11,7 +11,6 @@ call answered and P99 <= 200 ms.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import QueueFull
+from ..benchapp import has_celery_batches
 from .core import Run, broker_kind, percentile, poisson_streams
 
 #: Realtime rates tried, per second (Poisson).
@@ -105,7 +105,7 @@ def baseline_python(batches_python: str | None) -> str | None:
     celery-batches caps Celery below 5.7, so it usually has a virtualenv of its own (``--batches-python``).
     """
     if batches_python is None:
-        return sys.executable if importlib.util.find_spec("celery_batches") else None
+        return sys.executable if has_celery_batches() else None
     probe = subprocess.run(
         [batches_python, "-c", "import celery_batches, celery_prio.tools.benchapp"], capture_output=True, text=True
     )
