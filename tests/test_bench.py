@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from celery_prio.tools.bench.core import Workload, best_of, percentile, run_mixed, summarize
@@ -35,3 +37,17 @@ def test_a_short_mixed_run_on_redis(tmp_path):
     out = run_mixed("prio", "redis://127.0.0.1:6379/14", w, tmp_path)
     assert out["realtime"]["sent"] > 0 and out["realtime"]["done"] == out["realtime"]["sent"]
     assert out["batch"]["done"] > 0
+
+
+def test_a_batches_python_that_cannot_run_the_baseline_is_refused_with_what_to_do(tmp_path):
+    from celery_prio.tools.bench.batching import baseline_python
+
+    for python in (str(tmp_path / "no-such-python"), sys.executable if has_no_batches() else "/bin/false"):
+        with pytest.raises(SystemExit, match=r"--batches-python .*cannot import celery_batches.*batches-baseline"):
+            baseline_python(python)
+
+
+def has_no_batches() -> bool:
+    from celery_prio.tools.benchapp import has_celery_batches
+
+    return not has_celery_batches()

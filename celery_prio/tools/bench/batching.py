@@ -106,13 +106,17 @@ def baseline_python(batches_python: str | None) -> str | None:
     """
     if batches_python is None:
         return sys.executable if has_celery_batches() else None
-    probe = subprocess.run(
-        [batches_python, "-c", "import celery_batches, celery_prio.tools.benchapp"], capture_output=True, text=True
-    )
-    if probe.returncode:
+    try:
+        probe = subprocess.run(
+            [batches_python, "-c", "import celery_batches, celery_prio.tools.benchapp"], capture_output=True, text=True
+        )
+        problem = probe.stderr[-800:] if probe.returncode else None
+    except OSError as exc:  # no such interpreter, or not executable
+        problem = str(exc)
+    if problem is not None:
         raise SystemExit(
             f"--batches-python {batches_python}: cannot import celery_batches and celery_prio there "
-            f"(pip install torch==2.13.0 -e '.[demo,batches-baseline]' in that virtualenv):\n{probe.stderr[-800:]}"
+            f"(pip install torch==2.13.0 -e '.[demo,batches-baseline]' in that virtualenv):\n{problem}"
         )
     return batches_python
 
