@@ -29,9 +29,10 @@ from celery.result import AsyncResult, ResultBase, ResultSet
 from celery.utils.log import get_logger
 
 from .brokers.base import BOOST_OUTCOMES, Boost
+from .producer.inherit import running_task_tier
 from .settings import settings_for
 from .tiers import Tier, parse_tier
-from .worker.slice_board import board
+from .worker.slice_board import blocked_waiting
 
 logger = get_logger(__name__)
 
@@ -124,19 +125,14 @@ def wait(
     if not isinstance(result, ResultBase):
         raise TypeError(f"celery_prio.wait() takes a Celery result, not {result!r}")
     app = result.app
-    inside = _running_task_tier(app)
+    inside = running_task_tier(app)
     waiter = parse_tier(tier) if tier is not None else inside
     if waiter is None:
         raise ValueError("celery_prio.wait(): outside a task, name the waiting tier (tier='realtime')")
     if inside is not None or _inside_task():
         get_options.setdefault("disable_sync_subtasks", False)
-    if inside is not None:  # this slot runs nothing while it waits: the worker may give its tier another
-        board().enter_wait(inside)
-    try:
+    with blocked_waiting(inside):  # this slot runs nothing while it waits: the worker may give its tier another
         return _wait(app, result, waiter, timeout, propagate, interval, get_options)
-    finally:
-        if inside is not None:
-            board().leave_wait(inside)
 
 
 def _wait(
@@ -177,15 +173,6 @@ def _inside_task() -> bool:
     task = current_task._get_current_object() if current_task else None
     request = getattr(task, "request", None)
     return task is not None and request is not None and not request.called_directly
-
-
-def _running_task_tier(app: Any) -> Tier | None:
-    from .producer.inherit import parent_tier
-
-    settings = getattr(app, "_celery_prio_settings", None)
-    if settings is None:
-        return None
-    return parent_tier(settings, always=True)
 
 
 __all__ = ["BOOST_OUTCOMES", "Boost", "boost", "wait", "waited_on"]

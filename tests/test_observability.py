@@ -82,9 +82,36 @@ def test_prometheus_endpoint_parses_with_per_tier_series(env):
     assert yields == {"realtime": 0, "batch": 0, "offline": 0}
 
 
-def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
-    env = redis_env
+def _management_api() -> str | None:
+    """The local RabbitMQ management API (Flower reads RabbitMQ queue lengths there), if it answers."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", 15672), timeout=1).close()
+    except OSError:
+        return None
+    return "http://guest:guest@127.0.0.1:15672/api/"
+
+
+@pytest.mark.parametrize("kind", ["redis", "amqp"])
+def test_flower_shows_prio_figures_and_the_tier_queues(kind, tmp_path):
+    from tests.conftest import _one_broker_env
+
     pytest.importorskip("flower")
+    broker_api = _management_api() if kind == "amqp" else None
+    if kind == "amqp" and broker_api is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("RabbitMQ's management API is off: .ci/run enables it for Flower's broker page")
+        pytest.skip("RabbitMQ's management API is off (Flower reads RabbitMQ queue lengths there)")
+    envs = _one_broker_env(kind, tmp_path)
+    env = next(envs)
+    try:
+        _flower_checks(env, tmp_path, broker_api)
+    finally:
+        next(envs, None)
+
+
+def _flower_checks(env, tmp_path, broker_api: str | None) -> None:
     worker = env.start_worker(concurrency=2)
     sleep = env.app.tasks["t.sleep"]
     for r in [sleep.apply_async((f"d{i}", 0.01), tier=t) for i, t in enumerate(["realtime", "batch", "offline"])]:
@@ -102,6 +129,7 @@ def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
             f"--port={port}",
             "--address=127.0.0.1",
             "--basic-auth=ops:secret",
+            *([f"--broker-api={broker_api}"] if broker_api else []),
         ],
         env={**os.environ, **env.worker_env()},
         cwd=ROOT,
@@ -132,15 +160,30 @@ def test_flower_shows_prio_figures_and_the_tier_queues(redis_env, tmp_path):
         rows = {k: v for k, v in info["stats"].items() if k.startswith("prio ")}
         assert set(rows) == {"prio realtime", "prio batch", "prio offline"}
         assert "done 1" in rows["prio batch"] and "depth 0" in rows["prio batch"], rows
-        assert {q["name"] for q in info["active_queues"]} == {env.queue(t) for t in (R, B, O)}
+        # The tier queues, and the sub-queue realtime calls of t.sleep wait in (shortest job first).
+        realtime_sleep = f"{env.queue(R)}.sjf-t-sleep"
+        listed = {q["name"] for q in info["active_queues"]}
+        assert listed >= {env.queue(t) for t in (R, B, O)} | {realtime_sleep}
+        # Only queues of this app's tiers (on RabbitMQ also those its workers declare up front: realtime-tiered
+        # and batched tasks'); never a per-task queue of a task that was not called there (Celery's built-ins).
+        assert all(name.startswith(env.prefix + ".") for name in listed), listed
+        assert not any(".sjf-celery" in name for name in listed), listed
         # Leave a backlog nobody takes, and read its length through Flower's broker page.
         worker.kill()
         for i in range(4):
             sleep.apply_async((f"b{i}", 0), tier="batch")
         for i in range(7):
             sleep.apply_async((f"o{i}", 0), tier="offline")
-        queues = {q["name"]: q["messages"] for q in get("/api/queues/length")["active_queues"]}
+        for i in range(3):
+            sleep.apply_async((f"r{i}", 0), tier="realtime")
+        deadline = time.time() + 30  # RabbitMQ's management API refreshes its figures every few seconds
+        while True:
+            queues = {q["name"]: q.get("messages") for q in get("/api/queues/length")["active_queues"]}
+            if (queues.get(realtime_sleep) == 3 and queues.get(env.queue(O)) == 7) or time.time() > deadline:
+                break
+            time.sleep(1)
         assert queues[env.queue(B)] == 4 and queues[env.queue(O)] == 7 and queues[env.queue(R)] == 0
+        assert queues[realtime_sleep] == 3, "realtime calls waiting in their sub-queue show in Flower"
     finally:
         flower.kill()
         flower.wait(10)

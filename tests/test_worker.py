@@ -142,7 +142,8 @@ def test_worker_with_q_serves_only_its_tier_and_queues_can_be_added(env):
     time.sleep(0.5)
     assert env.depth(B) == 1
     active = env.app.control.inspect(timeout=2).active_queues()
-    assert [q["name"] for q in next(iter(active.values()))] == [env.queue(R)]
+    # The tier queue, then the sub-queue its realtime calls waited in (listed so Flower shows its depth).
+    assert [q["name"] for q in next(iter(active.values()))] == [env.queue(R), f"{env.queue(R)}.sjf-t-rt_sleep"]
     env.app.control.add_consumer(env.queue(B), reply=True, timeout=2)
     env.wait_for(lambda: starts(env, "batch-1"), what="the batch task after add_consumer")
     env.app.control.cancel_consumer(env.queue(B), reply=True, timeout=2)

@@ -80,6 +80,11 @@ def status(ctx, as_json: bool, watch: float | None):
                         )
                 for name, r in data["unserved"].items():
                     click.echo(f"UNSERVED {name}: {r['depth']} waiting, no live worker serves {r['tier']}")
+                for name, r in data["legacy"].items():
+                    click.echo(
+                        f"LEGACY {name}: {r['depth']} waiting where producers without celery-prio publish; "
+                        f"workers that serve {settings.default_tier.label} drain it"
+                    )
                 for worker, problem in data["discovery_problems"].items():
                     click.echo(f"DISCOVERY FAILING on {worker}: {problem}")
                 click.echo(

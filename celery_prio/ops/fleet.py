@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..policy.demand import fleet_estimate, slots_needed
 from ..policy.scheduler import configured_shares
+from ..runtime import runtime_of
 from ..tiers import TIERS
 from ..worker.control import collect_prio_stats
 from ..worker.report import WorkerReport
@@ -65,6 +66,7 @@ def cluster_status(app, settings, adapter) -> dict:
         "tiers": rows,
         "subqueues": subqueue_rows(reports.values(), adapter),
         "unserved": unserved_rows(settings, adapter),
+        "legacy": legacy_rows(app, adapter),
         "discovery_problems": {name: r.discovery_problem for name, r in reports.items() if r.discovery_problem},
         "dead": adapter.depth(settings.dead_letter_queue),
         "workers": sorted(reports),
@@ -80,6 +82,14 @@ def unserved_rows(settings, adapter) -> dict:
     depths = adapter.depths([name for name, _ in queues])
     found = unserved_now([(name, tier, n) for (name, tier), n in zip(queues, depths, strict=True)], serving)
     return {name: {"tier": tier.label, "depth": depth} for name, tier, depth in found}
+
+
+def legacy_rows(app, adapter) -> dict:
+    """The queues producers without celery-prio publish to (``prio_legacy_queues``) that hold messages now."""
+    runtime = runtime_of(app)
+    names = list(runtime.legacy_queues) if runtime is not None else []
+    depths = adapter.depths(names) if names else []
+    return {name: {"depth": depth} for name, depth in zip(names, depths, strict=True) if depth}
 
 
 def subqueue_rows(reports, adapter) -> dict:
@@ -99,4 +109,6 @@ def subqueue_rows(reports, adapter) -> dict:
         busy = tier_busy.get(row["tier"]) or 0.0
         row["share_of_tier"] = round(row["busy_seconds"] / busy, 4) if busy else None
         row["depth"] = None if name == "other" else adapter.depth(name)
-    return rows
+    # A queue that was never used and holds nothing says nothing (realtime's shortest-first queue of every task a
+    # worker registered, Celery's own built-ins among them, is served from the start).
+    return {name: row for name, row in rows.items() if row["dispatched"] or row["depth"]}

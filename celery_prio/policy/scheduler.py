@@ -65,7 +65,9 @@ class TierScheduler:
     tiers: dict[Tier, TierState] = field(init=False)
     #: A tier a sliced task just gave its slot to: first for the next free slot (see :meth:`hand_off_to`).
     hand_off: Tier | None = field(init=False, default=None)
-    #: Per tier, its running tasks that are blocked in ``celery_prio.wait`` (told by the worker, see ``_ranking``).
+    #: Per tier, its running tasks that are blocked waiting on other tasks' results (``celery_prio.wait``, or a
+    #: plain ``AsyncResult.get()``/``GroupResult.get()``/``join`` inside a task; told by the worker). They hold a
+    #: pool process but not the tier's turn: see ``_may_take_another`` and ``_low_tiers_allowed``.
     blocked: dict[Tier, int] = field(init=False, default_factory=dict)
     vclock: float = field(init=False, default=0.0)
     # Count-mode floor: credit in "per 100 dispatches" units, full at 100.
@@ -92,10 +94,15 @@ class TierScheduler:
 
     def _may_take_another(self, tier: Tier) -> bool:
         state = self.tiers[tier]
-        return tier is Tier.REALTIME or state.measured or state.running <= self.blocked.get(tier, 0)
+        if tier is Tier.REALTIME or Tier.REALTIME not in self.served or state.measured:
+            return True  # the one-slot rule protects realtime arrivals: moot on a worker that serves none
+        return state.running <= self.blocked.get(tier, 0)
 
     def _low_tiers_allowed(self) -> bool:
-        low = self.tiers[Tier.BATCH].running + self.tiers[Tier.OFFLINE].running
+        # A batch task blocked on its own group (``.get(disable_sync_subtasks=False)``) waits for work that can
+        # only run in another slot: counted against the headroom it would deadlock a worker whose one other
+        # slot is the reserve (plain Celery runs the children there). Realtime then waits for that child.
+        low = sum(max(self.tiers[t].running - self.blocked.get(t, 0), 0) for t in (Tier.BATCH, Tier.OFFLINE))
         return low < self.concurrency - self.reserve
 
     def effective_weights(self, busy_now: Iterable[Tier] = ()) -> dict[Tier, float]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..settings import PrioSettings
+from ..settings.naming import TASK_SUBQUEUE_PREFIX
 from ..tiers import TIERS, Tier
 from .queue_shares import QueueShares, QueueState
 
@@ -39,6 +40,9 @@ class ServedQueues:
         self.names: list[str] = []
         self.discovered: list[str] = []
         self.known: list[str] = []  # sub-queues served without discovery (shortest-first queues of realtime tasks)
+        #: The per-task sub-queues (``sjf-<task>``) of the tasks this worker has registered; None: any. Another
+        #: app's per-task queues on the same broker are never served here (it could not run their tasks).
+        self.registered: frozenset[str] | None = None
         self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
         self.version = 0  # bumped whenever the set of served queues may have changed
         self.set_names(names)
@@ -61,11 +65,22 @@ class ServedQueues:
         self.known = [n for n in dict.fromkeys(names) if self.settings.is_subqueue(n)]
         self._regroup()
 
+    def set_registered(self, task_subqueues: Iterable[str]) -> None:
+        """The per-task sub-queue names (``settings.sjf_subqueue(task)``) of the tasks this worker can run."""
+        self.registered = frozenset(task_subqueues)
+        self._regroup()
+
+    def _runs_here(self, name: str, tier: Tier) -> bool:
+        sub = self.settings.subqueue_of(name, tier) or ""
+        return self.registered is None or not sub.startswith(TASK_SUBQUEUE_PREFIX) or sub in self.registered
+
     def _regroup(self) -> None:
         self.version += 1
         by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
         for name in [*self.known, *self.discovered]:
             tier = self.tier_of(name)
+            if not self._runs_here(name, tier):
+                continue
             # A worker serves a tier's sub-queues when it serves the tier's own queue.
             if self.settings.queue_name(tier) in by_tier[tier] and name not in by_tier[tier]:
                 by_tier[tier].append(name)

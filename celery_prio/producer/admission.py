@@ -11,6 +11,7 @@ decision the router made) and hands tier and queue to the broker's
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -23,13 +24,16 @@ from ..tiers import Tier
 from .routing import route_of_call
 
 
-def guard_send_task(app: Celery, settings: PrioSettings, publishing: Publisher) -> None:
+def guard_send_task(app: Celery, current_settings: Callable[[], PrioSettings], publishing: Publisher) -> None:
+    """Wrap ``app.send_task``: ``current_settings()`` first (it applies ``install()`` again if the app's
+    configuration replaced it since), the broker's ``before_send``, and refusals turned into ``QueueFull``."""
     send_task = app.send_task
     if getattr(send_task, "celery_prio", False):
         send_task = send_task.__wrapped__
 
     @functools.wraps(send_task)
     def send_task_admitted(*args: Any, **kwargs: Any) -> Any:
+        settings = current_settings()
         publishing.before_send(app, settings)
         try:
             return send_task(*args, **kwargs)

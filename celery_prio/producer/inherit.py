@@ -151,6 +151,12 @@ def parent_tier(settings: PrioSettings, always: bool = False) -> Tier | None:
     return settings.tier_for_queue(queue)
 
 
+def running_task_tier(app: Any) -> Tier | None:
+    """The tier of the task running in this thread, for an app with ``install()`` (None otherwise)."""
+    settings = getattr(app, "_celery_prio_settings", None)
+    return None if settings is None else parent_tier(settings, always=True)
+
+
 def boosted_floor(settings: PrioSettings) -> Tier | None:
     """The tier a boosted running task was lifted to: what it publishes runs at least there.
 

@@ -131,7 +131,14 @@ def _routing(raw: Raw) -> dict[str, Any]:
             routes.append((str(pattern), parse_tier(tier)))
         except ValueError as exc:
             raise ConfigError(f"prio_routes[{pattern!r}]: {exc}") from None
-    return {"queue_prefix": prefix, "default_tier": default_tier, "routes": tuple(routes)}
+    legacy = raw["legacy_queues"]
+    if legacy is not None:
+        if isinstance(legacy, str):
+            legacy = [legacy]
+        if not isinstance(legacy, (list, tuple)) or not all(isinstance(q, str) and q.strip() for q in legacy):
+            raise ConfigError(f"prio_legacy_queues must be a list of queue names, [] or None, got {legacy!r}")
+        legacy = tuple(legacy)
+    return {"queue_prefix": prefix, "default_tier": default_tier, "routes": tuple(routes), "legacy_queues": legacy}
 
 
 def _observability(raw: Raw) -> dict[str, Any]:
@@ -207,9 +214,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
 
 def _raw_values(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> Raw:
     """The defaults, with the config's ``prio_*`` keys over them and ``overrides`` over those."""
+    # ``config_from_object(..., namespace="CELERY")``: settings are written CELERY_PRIO_MAX_LENGTH.
+    prefix = getattr(conf, "__dict__", {}).get("prefix")  # Celery keeps it there; attribute access reads a key
     for key in _config_keys(conf):
-        if _misspelt_setting(key, conf.get(key)):
-            raise _unknown_setting(key)
+        bare = key[len(prefix) :] if prefix and isinstance(key, str) and key.upper().startswith(prefix.upper()) else key
+        if _misspelt_setting(bare, conf.get(key)):
+            raise _unknown_setting(bare.lower(), shown=key)
     raw = dict(DEFAULTS)
     for name in DEFAULTS:
         value = conf.get(f"prio_{name}")
@@ -238,11 +248,19 @@ def _misspelt_setting(key: Any, value: Any) -> bool:
     return not callable(value) and not isinstance(value, types.ModuleType)
 
 
-def _unknown_setting(name: str) -> ConfigError:
+def _unknown_setting(name: str, shown: str | None = None) -> ConfigError:
+    """``shown``: the key as the config spells it (``CELERY_PRIO_MAX_LENGHT`` under a namespace)."""
     key = name.removeprefix("prio_")
     close = difflib.get_close_matches(key, SETTING_NAMES, n=1)
-    hint = f"did you mean 'prio_{close[0]}'? " if close else ""
-    return ConfigError(f"unknown celery-prio setting {name!r}; {hint}known settings: {', '.join(SETTING_NAMES)}")
+    hint = ""
+    if close:
+        spelled = f"prio_{close[0]}"
+        if shown is not None and shown.lower() != name.lower():
+            spelled = shown[: len(shown) - len(name)] + spelled.upper()
+        hint = f"did you mean {spelled!r}? "
+    return ConfigError(
+        f"unknown celery-prio setting {shown or name!r}; {hint}known settings: {', '.join(SETTING_NAMES)}"
+    )
 
 
 def settings_for(app: Any) -> PrioSettings:

@@ -48,6 +48,7 @@ class PrioSettings(QueueNames):
     queue_prefix: str
     default_tier: Tier
     routes: tuple[tuple[str, Tier], ...]
+    legacy_queues: tuple[str, ...] | None
     scheduler: str
     idle_share: str
     poll_interval: float

@@ -16,6 +16,8 @@ from ..tiers import TIERS, Tier
 
 SUBQUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RESERVED_SUBQUEUES = ("promoted", "dlx")
+#: Sub-queues of one task name (realtime's shortest-first queues, batched tasks' queues) start with this.
+TASK_SUBQUEUE_PREFIX = "sjf-"
 
 
 def subqueue_name_problem(name: Any) -> str | None:
@@ -108,7 +110,7 @@ class QueueNames:
 
     def sjf_subqueue(self, task_name: str) -> str:
         """The realtime sub-queue of a task name under shortest-job-first (``sjf-<name>``, a valid queue name)."""
-        name = "sjf-" + re.sub(r"[^A-Za-z0-9_-]", "-", task_name)
+        name = TASK_SUBQUEUE_PREFIX + re.sub(r"[^A-Za-z0-9_-]", "-", task_name)
         if len(name) > 64:  # long names: a prefix and a checksum of the whole
             name = f"{name[:55]}-{zlib.crc32(task_name.encode()):08x}"
         return name

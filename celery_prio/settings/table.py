@@ -213,6 +213,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("queue_prefix", "prio", TIERS_AND_ROUTING, "queues are `<prefix>.realtime`, `.batch`, `.offline`, `.dead`"),
     Setting("default_tier", "batch", TIERS_AND_ROUTING, "tier of tasks that name none"),
     Setting("routes", {}, TIERS_AND_ROUTING, "task-name pattern (fnmatch) → tier"),
+    Setting(
+        "legacy_queues",
+        None,
+        TIERS_AND_ROUTING,
+        "queues that producers not yet on celery-prio still publish to: workers that serve the default tier "
+        "also drain each one, as that tier, for as long as it holds messages (a rolling deploy); `[]` = none",
+        shown="None (the app's `task_default_queue` before `install()`: `celery` unless it set one)",
+    ),
     Setting("scheduler", "time", SCHEDULING, "`time` (shares of slot time) or `count` (for comparison)"),
     Setting(
         "idle_share",

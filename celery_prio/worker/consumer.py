@@ -26,7 +26,10 @@ from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 
 from ..policy.routes import check_task_tiers
+from ..runtime import runtime_of
 from ..settings import settings_for
+from ..tiers import Tier
+from .foreign_work import forward_unregistered
 from .metrics import serve_metrics
 from .report import readable_rows
 from .task_consumer import TierFetcher
@@ -38,6 +41,7 @@ class PrioTasks(bootsteps.StartStopStep):
     """Replaces ``celery.worker.consumer.tasks:Tasks``: same contract, pull-based fetch."""
 
     requires = (Mingle,)
+    changes_logged = False
 
     def __init__(self, c: Consumer, **kwargs: Any) -> None:
         c.task_consumer = c.qos = None
@@ -54,15 +58,19 @@ class PrioTasks(bootsteps.StartStopStep):
         # broker-side window to move, so the setter does nothing.
         c.qos = QoS(fetcher.qos, fetcher.scheduler.concurrency)
         c.task_consumer = fetcher
+        runtime = runtime_of(c.app)
+        if runtime is not None and not PrioTasks.changes_logged:  # once per worker, not per reconnect
+            PrioTasks.changes_logged = True
+            logger.info("celery-prio: install() changed this app's configuration: %s", "; ".join(runtime.changes))
         if settings.metrics_port is not None:
             if self.collector is None:  # one exporter per worker, kept across reconnects
                 self.collector = serve_metrics(fetcher, c.app, settings.metrics_host, settings.metrics_port)
             self.collector.fetcher = fetcher
         logger.info(
-            "celery-prio: serving %s (concurrency %d, %d reserved for realtime, weights %s)",
-            ", ".join(q.name for q in fetcher.queues),
+            "celery-prio: serving %s (concurrency %d; %s; weights %s)",
+            ", ".join(q.name for q in fetcher.consumed),
             fetcher.scheduler.concurrency,
-            fetcher.scheduler.reserve,
+            reserve_line(fetcher.scheduler.reserve, fetcher.scheduler.concurrency, fetcher.served.tiers),
             {t.label: w for t, w in settings.weights.items()},
         )
 
@@ -82,6 +90,18 @@ class PrioTasks(bootsteps.StartStopStep):
         # Flower reads prefetch_count; the honest figure is the slot bound. Flower shows the other keys
         # as rows of its worker page: one readable line per tier (inspect prio_stats has the full report).
         return {"prefetch_count": fetcher.scheduler.concurrency, **readable_rows(fetcher.report())}
+
+
+def reserve_line(reserve: int, concurrency: int, served: list[Tier]) -> str:
+    """Why slots are (or are not) held back, for the start-up line."""
+    if Tier.REALTIME not in served:
+        return "no slot held back: this worker serves no realtime queue"
+    if reserve == 0:
+        return "no slot held back for realtime (prio_reserve=0, or a single slot)"
+    return (
+        f"{reserve} of {concurrency} held for realtime arrivals (prio_reserve): "
+        f"batch and offline run in at most {concurrency - reserve}"
+    )
 
 
 class PrioControl(Control):
@@ -122,6 +142,9 @@ class PrioConsumer(Consumer):
         super().on_unknown_message(body, message)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        fetcher = self.task_consumer
+        if isinstance(fetcher, TierFetcher) and not message.acknowledged and forward_unregistered(fetcher, message):
+            return  # another app's task (or a newer version's): now in its own queue, for a worker that has it
         self._dead_letter(message, f"unregistered task: {exc}")
         super().on_unknown_task(body, message, exc)
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import struct
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 from ..tiers import TIERS, Tier
 
@@ -131,6 +133,26 @@ class SliceBoard:
 
 
 _BOARD: SliceBoard | None = None
+
+#: Per thread of a pool child: whether its running task is already counted as blocked (nested waits count once).
+_WAITING = threading.local()
+
+
+@contextmanager
+def blocked_waiting(tier: Tier | None) -> Iterator[None]:
+    """The running task of ``tier`` blocks on other tasks' results inside this block: the worker counts its
+    slot as waiting (``TierScheduler.blocked``). Nested waits (``celery_prio.wait`` calling ``get``) count once;
+    ``tier`` None (not inside a worker task) counts nothing."""
+    if tier is None or getattr(_WAITING, "active", False):
+        yield
+        return
+    _WAITING.active = True
+    board().enter_wait(tier)
+    try:
+        yield
+    finally:
+        _WAITING.active = False
+        board().leave_wait(tier)
 
 
 def board() -> SliceBoard:

@@ -17,6 +17,7 @@ from typing import Any
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
+from kombu import Exchange, Queue
 
 from ..brokers import BrokerFigures, Job, fetch_source_for
 from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
@@ -29,6 +30,7 @@ from ..tiers import TIERS, Tier
 from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 from .batching import Batcher
 from .fetchloop import FetchLoop
+from .foreign_work import LEGACY_CHECK_INTERVAL, LegacyQueues
 from .held_requests import delivery_tags, held_requests
 from .report import WorkerReport, build_report
 from .slice_board import board
@@ -63,17 +65,19 @@ class TierFetcher:
                 "celery-prio needs Celery's event loop (prefork, threads or solo pool); "
                 "gevent/eventlet pools are not supported"
             )
-        self.queues: list[Any] = []
+        self.consumed: list[Any] = []  # the queues -Q (or add_consumer) named; sub-queues are served beside them
         self.served = ServedQueues(settings)
         self.source = fetch_source_for(
             consumer.app, consumer.connection, self.served, settings, f"{consumer.hostname}#{INCARNATION}"
         )
         self.source.attach_loop(self.hub)
         concurrency = self._concurrency()
+        # Slots held back for realtime arrivals, while this worker serves realtime (see ``_update_served``).
+        self.realtime_reserve = settings.effective_reserve(concurrency)
         self.scheduler = TierScheduler(
             weights=settings.weights,
             concurrency=concurrency,
-            reserve=settings.effective_reserve(concurrency),
+            reserve=self.realtime_reserve,
             min_share=settings.min_share,
             mode=settings.scheduler,
             idle_share=settings.idle_share,
@@ -110,12 +114,15 @@ class TierFetcher:
         if settings.sjf:
             known += sjf_queues(settings, consumer.app.tasks, every_task=self.source.asks_all_queues_in_one_call)
         known = list(dict.fromkeys(known))
+        # Per-task queues of tasks this worker cannot run (another app's on the same broker) are never served.
+        self.served.set_registered(settings.sjf_subqueue(name) for name in consumer.app.tasks)
         self.source.prepare_subqueues(known)
         self.served.set_known(known)
         self.batcher = Batcher(consumer, self.hub, self._take_more)
         self.batcher.on_start = lambda batch: self.loop.started(batch, batch.tier)
         self.batcher.on_done = self._batch_done
         self.unserved = UnservedTracker()
+        self.legacy = LegacyQueues(self)
         self._unserved_log = EveryMinute()
         self._discovery_log = EveryMinute()
 
@@ -138,20 +145,31 @@ class TierFetcher:
     def active(self) -> bool:
         return self.loop.active
 
+    @property
+    def queues(self) -> list[Any]:
+        """What ``inspect active_queues`` (and so Flower's broker page) lists: the queues consumed, then the
+        sub-queues served beside them that have been published to (realtime's per-task shortest-first queues,
+        tenants', batched tasks'), so that every queue where a tier's work waits shows with its depth."""
+        consumed = {q.name for q in self.consumed}
+        discovered = set(self.served.discovered)
+        subqueues = [n for n in self.served.all_names() if n in discovered and n not in consumed]
+        return self.consumed + [Queue(n, Exchange(""), routing_key=n, no_declare=True) for n in subqueues]
+
     def add_queue(self, queue: Any) -> Any:
         if not self.consuming_from(queue.name):
             queue = queue.bind(self.channel)
             queue.declare()
-            self.queues.append(queue)
+            self.consumed.append(queue)
             self._update_served()
         return queue
 
     def consuming_from(self, queue: Any) -> bool:
         name = getattr(queue, "name", queue)
-        return any(q.name == name for q in self.queues)
+        return any(q.name == name for q in self.consumed)
 
     def cancel_by_queue(self, queue: str) -> None:
-        self.queues = [q for q in self.queues if q.name != queue]
+        self.consumed = [q for q in self.consumed if q.name != queue]
+        self.legacy.forget(queue)
         self._update_served()
 
     def consume(self, no_ack: bool | None = None) -> None:
@@ -171,10 +189,12 @@ class TierFetcher:
             Job(FIGURES_INTERVAL, self._read_figures, "read broker figures"),
             Job(self.source.discovery_interval, self._discover_subqueues, "discover sub-queues"),
             Job(UNSERVED_CHECK_INTERVAL, self._check_unserved, "look for queues nobody serves"),
+            Job(LEGACY_CHECK_INTERVAL, self.legacy.drain, "drain the queues of producers without celery-prio"),
             *self.source.housekeeping(lambda: {t: st.dispatched for t, st in self.scheduler.tiers.items()}),
         ]
         self._read_figures()
         self._discover_subqueues()
+        self.legacy.drain()
         self._housekeeping = [self.hub.call_repeatedly(job.interval, _guarded(job)) for job in jobs]
 
     def cancel(self) -> None:
@@ -203,8 +223,11 @@ class TierFetcher:
         return max(int(limit or 1), 1)
 
     def _update_served(self) -> None:
-        self.served.set_names(q.name for q in self.queues)
+        self.served.set_names(q.name for q in self.consumed)
         self.scheduler.set_served(self.served.tiers)
+        # A worker that serves no realtime queue (``-Q`` of the app's own queues) keeps no slot for it:
+        # nothing could ever take that slot.
+        self.scheduler.reserve = self.realtime_reserve if Tier.REALTIME in self.served.tiers else 0
         self.loop.wake()  # an idle worker waits on the queues it served until now: fetch from the new set
 
     def track(self, request: Any) -> None:
@@ -257,7 +280,10 @@ class TierFetcher:
         Every ``SLICE_CHECK_INTERVAL`` while tasks run, and not at all while none does (a task's start arms
         it again): an idle worker's event loop sleeps."""
         self._slice_timer = None
-        self.scheduler.blocked = self.board.waiting()
+        blocked = self.board.waiting()
+        if blocked != self.scheduler.blocked:  # a task began or ended waiting on others: its tier may take a slot
+            self.scheduler.blocked = blocked
+            self.loop.wake()
         sliced = self.board.active_tiers(time.monotonic() - SLICE_ACTIVE_WINDOW)
         preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
         self.board.set_preemptors(preemptors)

@@ -1,0 +1,127 @@
+"""Work that reaches a worker from outside its own app's tiers, during adoption.
+
+* **The old default queue.** Producers not yet on celery-prio (a rolling
+  deploy) keep publishing to the app's old ``task_default_queue``
+  (``celery`` unless set). :class:`LegacyQueues` serves each such queue
+  (``prio_legacy_queues``) as the default tier while it holds messages,
+  on workers that serve that tier's queue.
+* **Another app's task.** Apps sharing a broker share the tier queues. A
+  worker that fetches a task it has not registered moves it to that task's
+  own queue in its tier (:func:`forward_unregistered`), which only workers
+  that registered the task serve (``ServedQueues.set_registered``), instead
+  of dead-lettering it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from celery.utils.log import get_logger
+from kombu import Exchange, Queue
+
+from ..brokers.base import FetchSource
+from ..policy.served import ServedQueues
+from ..runtime import runtime_of
+from ..settings import PrioSettings
+from .fetchloop import FetchLoop
+
+logger = get_logger(__name__)
+
+#: Seconds between looks at the queues producers without celery-prio publish to (``prio_legacy_queues``).
+LEGACY_CHECK_INTERVAL = 5.0
+
+
+class TierFetcher(Protocol):
+    """What this module needs of ``task_consumer.TierFetcher``."""
+
+    c: Any  # Celery's Consumer
+    settings: PrioSettings
+    consumed: list[Queue]
+    source: FetchSource
+    served: ServedQueues
+    loop: FetchLoop
+
+    def consuming_from(self, queue: Any) -> bool: ...
+    def add_queue(self, queue: Queue) -> Queue: ...
+    def cancel_by_queue(self, queue: str) -> None: ...
+
+
+class LegacyQueues:
+    def __init__(self, fetcher: TierFetcher) -> None:
+        self.fetcher = fetcher
+        self.draining: set[str] = set()  # legacy queues this worker added to what it consumes
+
+    def forget(self, queue: str) -> None:
+        """``queue`` is no longer consumed (``cancel_consumer``, or drained)."""
+        self.draining.discard(queue)
+
+    def drain(self) -> None:
+        """Serve the legacy queues that hold messages; stop asking one once it is found empty. Not those that
+        ``-Q``/``add_consumer`` named (the operator's choice stands), and only on a worker that serves the
+        default tier's queue."""
+        fetcher = self.fetcher
+        settings = fetcher.settings
+        runtime = runtime_of(fetcher.c.app)
+        named = {q.name for q in fetcher.consumed} - self.draining
+        names = [n for n in (runtime.legacy_queues if runtime else ()) if n not in named]
+        if not names or not fetcher.consuming_from(settings.queue_name(settings.default_tier)):
+            return
+        for name, depth in zip(names, fetcher.source.queue_depths(names), strict=True):
+            if depth > 0 and name not in self.draining:
+                logger.warning(
+                    "celery-prio: %d message(s) wait in %s, where producers without celery-prio publish: "
+                    "draining it as %s while it has messages (prio_legacy_queues)",
+                    depth,
+                    name,
+                    settings.default_tier.label,
+                )
+                self.draining.add(name)
+                fetcher.add_queue(Queue(name, Exchange(name, type="direct"), routing_key=name))
+            elif depth == 0 and name in self.draining:
+                fetcher.cancel_by_queue(name)
+
+
+def forward_unregistered(fetcher: TierFetcher, message: Any) -> str | None:
+    """Re-publish a task ``fetcher``'s worker has not registered to its task's own queue in its tier
+    (``<tier>.sjf-<task>``), then ack it here. The queue's name, or None where it cannot go there (already
+    in its own queue, no task name, the broker refused): the caller dead-letters it, as before."""
+    headers = message.headers or {}
+    name = headers.get("task")
+    queue = getattr(message, "prio_queue", None) or (message.delivery_info or {}).get("routing_key") or ""
+    app, settings = fetcher.c.app, fetcher.settings
+    runtime = runtime_of(app)
+    if not isinstance(name, str) or not name or runtime is None:
+        return None
+    tier = fetcher.loop.fetching or fetcher.served.tier_of(queue)
+    own = settings.sjf_subqueue(name)
+    if settings.subqueue_of(queue, tier) == own:
+        return None
+    try:
+        target = runtime.publishing.subqueue(app, settings, tier, own)
+        with app.producer_or_acquire() as producer:  # confirmed on RabbitMQ, the capped push on Redis
+            producer.publish(
+                message.body,
+                exchange=target.exchange,
+                routing_key=target.routing_key,
+                headers=dict(headers),  # the enqueue stamp too: its wait goes on counting
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+                correlation_id=message.properties.get("correlation_id"),
+                reply_to=message.properties.get("reply_to"),
+                retry=True,
+            )
+    except Exception:
+        logger.exception("celery-prio: could not move unregistered task %s to its own queue", name)
+        return None
+    message.ack()  # after the copy is on the broker: a crash in between leaves two copies, never none
+    logger.warning(
+        "celery-prio: task %r is not registered on this worker; moved from %s to %s, which workers that "
+        "registered it serve (apps sharing a broker, or a rolling deploy)",
+        name,
+        queue,
+        target.name,
+    )
+    return target.name
+
+
+__all__ = ["LEGACY_CHECK_INTERVAL", "LegacyQueues", "forward_unregistered"]
