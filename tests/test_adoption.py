@@ -1,4 +1,6 @@
-"""An existing Celery app adopts celery-prio without a surprise (real brokers, real workers of tests/adoptapp.py).
+"""An existing Celery app adopts celery-prio without a surprise (real brokers, real workers).
+
+The app is ``celery_prio.tools.adoptapp``.
 
 Each test runs the app's own pattern, the way its README would have it:
 a task waiting on its own group, a worker serving only the app's queue,
@@ -18,8 +20,8 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 
 from celery_prio import QueueFull
 from celery_prio.tiers import Tier
+from celery_prio.tools.adoptapp import make_app, worker_env
 from celery_prio.tools.workers import WorkerProcess
-from tests.adoptapp import make_app
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -31,17 +33,14 @@ def adopt_app(env, role: str = "a", late: str = "", plain: bool = False, **setti
 
 
 def start(env, *, role: str = "a", late: str = "", plain: bool = False, wait: bool = True, **kwargs: Any):
-    """A real worker of tests/adoptapp.py (``kwargs``: WorkerProcess's, e.g. ``queues``, ``concurrency``)."""
+    """A real worker of the adopting app (``kwargs``: WorkerProcess's, e.g. ``queues``, ``concurrency``)."""
     settings = {**env.base_settings, **kwargs.pop("settings", {})}
-    extra = {"PRIO_ADOPT_ROLE": role, "PRIO_ADOPT_LATE": late, "PRIO_TEST_SETTINGS": json.dumps(settings)}
-    if plain:
-        extra["PRIO_TEST_PLAIN"] = "1"
     n = len(env.workers)
     worker = WorkerProcess(
-        "tests.adoptapp",
+        "celery_prio.tools.adoptapp",
         log_path=env.tmp_path / f"adopt{n}.log",
         hostname=f"a{n}-{env.prefix}@%h",
-        env={**env.worker_env(), **extra},
+        env={**env.worker_env(), **worker_env(env.prefix, env.broker, env.backend, settings, plain, role, late)},
         cwd=ROOT,
         **{"concurrency": 2, **kwargs},
     )
@@ -124,7 +123,8 @@ def test_a_worker_refuses_a_consumer_set_after_install_and_names_the_setting(red
     worker = start(redis_env, late="consumer", wait=False)
     with pytest.raises(RuntimeError) as failed:
         worker.wait_ready(timeout=60)
-    assert "worker_consumer is set to 'tests.adoptapp:OwnConsumer' after celery_prio.install()" in str(failed.value)
+    named = "worker_consumer is set to 'celery_prio.tools.adoptapp:OwnConsumer' after celery_prio.install()"
+    assert named in str(failed.value)
 
 
 def test_a_rolling_deploy_drains_the_old_default_queue(stock_env):
@@ -160,6 +160,7 @@ def test_apps_sharing_a_broker_keep_their_tasks_apart(stock_env):
     to b's own task queue instead of dead-lettering them as unregistered; b's worker then runs them all."""
     env = stock_env
     b = adopt_app(env, role="b")
+    start(env, role="b").stop()  # b's fleet has run here before: the broker's task directory knows its tasks
     worker_a = start(env, role="a")
     a = adopt_app(env, role="a")
     assert a.tasks["adopt.a.rt"].delay(1).get(timeout=15) == 1
@@ -167,19 +168,21 @@ def test_apps_sharing_a_broker_keep_their_tasks_apart(stock_env):
     batch_b = b.tasks["adopt.b.square"].delay(3, 0)
     with pytest.raises(CeleryTimeout):
         rt_b.get(timeout=3)
-    assert env.adapter.depth(f"{env.prefix}.dead") == 0
     env.wait_for(lambda: "is not registered on this worker; moved" in worker_a.log(), what="b's call moved")
+    assert env.adapter.depth(f"{env.prefix}.dead") == 0
+    assert env.adapter.depth(f"{env.prefix}.batch.sjf-adopt-b-square") == 1
     start(env, role="b")
     assert rt_b.get(timeout=30) == 2
     assert batch_b.get(timeout=30) == 9
     assert env.adapter.depth(f"{env.prefix}.dead") == 0
 
 
-def test_a_task_no_worker_knows_still_waits_where_prio_status_shows_it(redis_env):
+def test_a_task_no_worker_ever_registered_is_dead_lettered_as_before(redis_env):
+    """Bad input stays bad input: a name nobody's worker registered is not given a queue of its own."""
     env = redis_env
     b = adopt_app(env, role="b")
-    start(env, role="a")
+    worker = start(env, role="a")
     b.tasks["adopt.b.square"].delay(3, 0)
-    queue = f"{env.prefix}.batch.sjf-adopt-b-square"
-    env.wait_for(lambda: env.adapter.depth(queue) == 1, what="the call in its task's own queue")
-    assert env.adapter.depth(f"{env.prefix}.dead") == 0
+    env.wait_for(lambda: env.adapter.depth(f"{env.prefix}.dead") == 1, what="the call dead-lettered")
+    assert "Received unregistered task of type 'adopt.b.square'" in worker.log()
+    assert env.adapter.depth(f"{env.prefix}.batch.sjf-adopt-b-square") == 0

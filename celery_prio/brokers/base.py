@@ -101,6 +101,10 @@ class BrokerFigures:
     dead_letters: int | None = None  # the dead-letter queue's length
 
 
+#: The most task names one worker records in the fleet's task directory (``FetchSource.announce_tasks``).
+MAX_ANNOUNCED_TASKS = 10_000
+
+
 class FetchSource(ABC):
     """The worker's side of a broker, on the consumer's channel."""
 
@@ -161,6 +165,15 @@ class FetchSource(ABC):
     def fleet_serving(self) -> dict[Tier, int] | None:
         """How many live workers serve each tier (this one included); None when the broker cannot say now."""
         return None
+
+    def announce_tasks(self, names: list[str]) -> None:  # noqa: B027 - a broker without a directory keeps none
+        """Record in the broker that a worker of this fleet has registered the tasks ``names`` (the directory
+        :meth:`fleet_knows_task` reads: apps sharing a broker, old and new versions in a rolling deploy)."""
+
+    def fleet_knows_task(self, name: str) -> bool:
+        """Whether some worker of this fleet (now or before) registered task ``name``. False where the broker
+        keeps no directory: a task this worker cannot run is then dead-lettered, as it always was."""
+        return False
 
     def recover_own(self, held: set[str]) -> int:
         """After a reconnect: return to their queues the messages this process fetched on a connection that

@@ -52,6 +52,11 @@ class QueueNames:
         return f"{self.subqueue_registry}.version"
 
     @property
+    def task_directory(self) -> str:
+        """Redis set of every task name a worker of the fleet registered (apps sharing a broker)."""
+        return f"{self.queue_prefix}.tasks"
+
+    @property
     def serving_key(self) -> str:
         """Redis hash: worker -> the tiers it serves (beside its heartbeat: a queue nobody serves is seen)."""
         return f"{self.queue_prefix}.serving"

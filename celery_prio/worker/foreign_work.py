@@ -6,10 +6,12 @@
   (``prio_legacy_queues``) as the default tier while it holds messages,
   on workers that serve that tier's queue.
 * **Another app's task.** Apps sharing a broker share the tier queues. A
-  worker that fetches a task it has not registered moves it to that task's
-  own queue in its tier (:func:`forward_unregistered`), which only workers
-  that registered the task serve (``ServedQueues.set_registered``), instead
-  of dead-lettering it.
+  worker that fetches a task it has not registered, but that some worker of
+  the fleet has (the broker's task directory, ``FetchSource.announce_tasks``),
+  moves it to that task's own queue in its tier (:func:`forward_unregistered`),
+  which only workers that registered the task serve
+  (``ServedQueues.set_registered``), instead of dead-lettering it. A name no
+  worker ever registered is bad input: dead-lettered, as always.
 """
 
 from __future__ import annotations
@@ -81,6 +83,15 @@ class LegacyQueues:
                 fetcher.cancel_by_queue(name)
 
 
+def announce_tasks(fetcher: TierFetcher) -> None:
+    """The fleet's task directory learns what this worker can run (another app's worker then moves such a task
+    to its own queue instead of dead-lettering it)."""
+    try:
+        fetcher.source.announce_tasks(sorted(fetcher.c.app.tasks))
+    except Exception:  # never fatal: without it, such tasks are dead-lettered as before
+        logger.warning("celery-prio: could not record this worker's tasks in the broker", exc_info=True)
+
+
 def forward_unregistered(fetcher: TierFetcher, message: Any) -> str | None:
     """Re-publish a task ``fetcher``'s worker has not registered to its task's own queue in its tier
     (``<tier>.sjf-<task>``), then ack it here. The queue's name, or None where it cannot go there (already
@@ -90,8 +101,8 @@ def forward_unregistered(fetcher: TierFetcher, message: Any) -> str | None:
     queue = getattr(message, "prio_queue", None) or (message.delivery_info or {}).get("routing_key") or ""
     app, settings = fetcher.c.app, fetcher.settings
     runtime = runtime_of(app)
-    if not isinstance(name, str) or not name or runtime is None:
-        return None
+    if not isinstance(name, str) or not name or runtime is None or not fetcher.source.fleet_knows_task(name):
+        return None  # a name no worker of the fleet ever registered: bad input, dead-lettered as always
     tier = fetcher.loop.fetching or fetcher.served.tier_of(queue)
     own = settings.sjf_subqueue(name)
     if settings.subqueue_of(queue, tier) == own:
@@ -124,4 +135,4 @@ def forward_unregistered(fetcher: TierFetcher, message: Any) -> str | None:
     return target.name
 
 
-__all__ = ["LEGACY_CHECK_INTERVAL", "LegacyQueues", "forward_unregistered"]
+__all__ = ["LEGACY_CHECK_INTERVAL", "LegacyQueues", "announce_tasks", "forward_unregistered"]

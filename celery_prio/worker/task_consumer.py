@@ -30,7 +30,7 @@ from ..tiers import TIERS, Tier
 from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
 from .batching import Batcher
 from .fetchloop import FetchLoop
-from .foreign_work import LEGACY_CHECK_INTERVAL, LegacyQueues
+from .foreign_work import LEGACY_CHECK_INTERVAL, LegacyQueues, announce_tasks
 from .held_requests import delivery_tags, held_requests
 from .report import WorkerReport, build_report
 from .slice_board import board
@@ -177,6 +177,7 @@ class TierFetcher:
             return
         # Before the first fetch: boosts from now on wait for this worker's answer, earlier ones are read here.
         superseded.merge(self.source.join_fleet(), time.time(), pending_for=PENDING_FOR)
+        announce_tasks(self)  # what this worker can run: other apps' workers forward such tasks to it
         global _CONNECTIONS
         _CONNECTIONS += 1
         if _CONNECTIONS > 1:  # a reconnect: what was fetched on the connection that died and is not held

@@ -12,7 +12,7 @@ from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import FetchSource, Take
+from ..base import MAX_ANNOUNCED_TASKS, FetchSource, Take
 from .admin import listed_subqueues
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .registry import Presence, RegistryFollower, existing_depths, serving_counts
@@ -296,6 +296,18 @@ class AmqpFetchSource(FetchSource):
 
     def fleet_serving(self) -> dict[Tier, int] | None:
         return serving_counts(self.channel.connection, self.settings)
+
+    def announce_tasks(self, names: list[str]) -> None:
+        from .registry import announce_tasks
+
+        channel = self.channel.connection.channel()  # a channel of its own: a confirm on the fetch channel would
+        try:  # put it in confirm mode
+            announce_tasks(channel, self.settings, names[:MAX_ANNOUNCED_TASKS])
+        finally:
+            channel.close()
+
+    def fleet_knows_task(self, name: str) -> bool:
+        return name in self.follower.tasks
 
     def join_fleet(self) -> list[list[Any]]:
         from .boost import join_fleet, journal_key, read_journal

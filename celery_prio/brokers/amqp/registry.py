@@ -22,6 +22,7 @@ when the plugin was off, as it is in the stock image. Here:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -38,6 +39,9 @@ REGISTRY_MAX_AGE = "7D"
 REGISTRY_MAX_BYTES = 64 * 1024 * 1024
 #: Registry records in flight to one follower (a stream consumer needs a prefetch).
 FOLLOW_PREFETCH = 1000
+#: The task directory's bounds: names kept per follower, and the longest name taken.
+MAX_TASK_NAMES = 100_000
+MAX_TASK_NAME = 500
 #: Seconds a one-off read of the registry (``read_registry``) may take.
 READ_TIMEOUT = 10.0
 
@@ -65,6 +69,29 @@ def announce(channel: Any, settings: PrioSettings, name: str) -> None:
     )
 
 
+def announce_tasks(channel: Any, settings: PrioSettings, names: list[str]) -> None:
+    """Append one record naming the tasks a worker has registered (the fleet's task directory), confirmed."""
+    declare_registry(channel, settings)
+    channel.basic_publish_confirm(
+        amqp.Message(json.dumps(names).encode(), application_headers={"tasks": 1, "at": time.time()}, delivery_mode=2),
+        exchange="",
+        routing_key=registry_name(settings),
+    )
+
+
+def accepted_tasks(headers: Any, body: Any) -> list[str]:
+    """The task names a directory record lists (anyone can append to a stream: anything else is ignored)."""
+    if not isinstance(headers, dict) or "tasks" not in headers:
+        return []
+    try:
+        names = json.loads(body)
+    except (TypeError, ValueError):
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names[:MAX_TASK_NAMES] if isinstance(n, str) and 0 < len(n) <= MAX_TASK_NAME]
+
+
 def accepted_name(settings: PrioSettings, headers: Any) -> str | None:
     """The sub-queue a registry record names, if it is one of this app's (anyone can append to a stream)."""
     name = headers.get("subqueue") if isinstance(headers, dict) else None
@@ -85,6 +112,7 @@ class RegistryFollower:
         self.settings = settings
         self.on_new = on_new
         self.names: dict[str, None] = {}  # insertion-ordered set
+        self.tasks: set[str] = set()  # every task a worker of the fleet recorded (``announce_tasks``)
         self.version = 0  # bumped with every new name
         self.problem: str | None = "not started"
         self.channel: Any = None
@@ -108,6 +136,8 @@ class RegistryFollower:
 
     def _record(self, message: Any) -> None:
         self.channel.basic_ack(message.delivery_tag)
+        if len(self.tasks) < MAX_TASK_NAMES:
+            self.tasks.update(accepted_tasks(message.headers, message.body))
         name = accepted_name(self.settings, message.headers)
         if name is not None and name not in self.names:
             self.names[name] = None

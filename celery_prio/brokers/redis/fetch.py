@@ -12,7 +12,7 @@ from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import decode_problem, decode_redis_element
-from ..base import BrokerFigures, FetchSource, Job, Take
+from ..base import MAX_ANNOUNCED_TASKS, BrokerFigures, FetchSource, Job, Take
 from .admin import RedisAdapter, _text
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
@@ -292,6 +292,16 @@ class RedisFetchSource(FetchSource):
             return self.adapter.serving(self.settings)
         except self.channel.connection_errors:
             return None
+
+    def announce_tasks(self, names: list[str]) -> None:
+        if names:
+            self.channel.client.sadd(self.settings.task_directory, *names[:MAX_ANNOUNCED_TASKS])
+
+    def fleet_knows_task(self, name: str) -> bool:
+        try:
+            return bool(self.channel.client.sismember(self.settings.task_directory, name))
+        except self.channel.connection_errors:
+            return False
 
     def join_fleet(self) -> list[list[Any]]:
         self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start

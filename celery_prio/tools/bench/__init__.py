@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from .adoption import bench_adoption
 from .batching import bench_batching
 from .bulk import bench_bulk
 from .core import BROKER_URLS, DEFAULTS_RT_RATE, Workload, broker_kind
@@ -65,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
             "chaos",
             "scale",
             "batching",
+            "adoption",
         ),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
         "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), scale (idle "
-        "and busy fleets), or batching (the example CNN, batched or not; needs the demo extra; celery-batches' "
+        "and busy fleets), adoption (an app with its own queue and routes: plain Celery vs install()), "
+        "or batching (the example CNN, batched or not; needs the demo extra; celery-batches' "
         "row: --batches-python); "
         "the last three are not part of a full run",
     )
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind]["inherit"] = bench_inherit(broker, args.inherit_backlog, 0.01, Path(tmp))
                 if kind == "redis":
                     results["redis"]["boost_cost_s"] = bench_boost_cost()
+            if args.only in (None, "adoption"):
+                results[kind]["adoption"] = bench_adoption(broker, Path(tmp))
             if args.only in (None, "recovery"):
                 results[kind]["recovery"] = bench_recovery(broker, Path(tmp))
             if args.only == "batching":

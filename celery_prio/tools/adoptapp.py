@@ -1,11 +1,12 @@
-"""An existing Celery app adopting celery-prio, as tests/test_adoption.py starts it (and plain, as before).
+"""An existing Celery app adopting celery-prio, and the same app plain, as it was before.
 
-Its shape is what adopters have: a default queue and routes of its own, a
-task that waits on its own group, configuration set after ``install()``.
-Worker processes build it from the environment:
+``tests/test_adoption.py`` and ``celery-prio bench --only adoption`` start
+workers of it. Its shape is what adopters have: a default queue and routes
+of its own, a task that waits on its own group, configuration set after
+``install()``. Worker processes build it from the environment:
 
-* PRIO_TEST_BROKER, PRIO_TEST_BACKEND, PRIO_TEST_PREFIX (also names the app's own queues);
-* PRIO_TEST_SETTINGS: JSON of ``install()`` overrides; PRIO_TEST_PLAIN=1: plain Celery, no ``install()``;
+* PRIO_ADOPT_BROKER, PRIO_ADOPT_BACKEND, PRIO_ADOPT_PREFIX (also names the app's own queues);
+* PRIO_ADOPT_SETTINGS: JSON of ``install()`` overrides; PRIO_ADOPT_PLAIN=1: plain Celery, no ``install()``;
 * PRIO_ADOPT_ROLE: ``a`` (default) or ``b``, two apps on one broker with different tasks;
 * PRIO_ADOPT_LATE: ``routes`` (the app's config assigns ``task_routes`` and ``broker_transport_options``
   after ``install()``), ``reload`` (``config_from_object`` after it), ``consumer`` (a consumer of its own).
@@ -54,7 +55,7 @@ def make_app(
     elif late == "reload":
         app.config_from_object({"result_expires": 600, "broker_connection_retry_on_startup": True})
     elif late == "consumer":
-        app.conf.worker_consumer = "tests.adoptapp:OwnConsumer"
+        app.conf.worker_consumer = "celery_prio.tools.adoptapp:OwnConsumer"
 
     @app.task(name=f"adopt.{role}.square", shared=False)
     def square(x: int, seconds: float = 0.05) -> int:
@@ -83,17 +84,42 @@ def make_app(
     return app
 
 
+#: The environment a worker process of this app reads (see the module doc).
+ENV_PREFIX = "PRIO_ADOPT_"
+
+
+def worker_env(
+    prefix: str,
+    broker: str,
+    backend: str,
+    settings: dict[str, Any] | None = None,
+    plain: bool = False,
+    role: str = "a",
+    late: str = "",
+) -> dict[str, str]:
+    """The environment of a worker process of this app (``celery -A celery_prio.tools.adoptapp worker``)."""
+    return {
+        "PRIO_ADOPT_PREFIX": prefix,
+        "PRIO_ADOPT_BROKER": broker,
+        "PRIO_ADOPT_BACKEND": backend,
+        "PRIO_ADOPT_SETTINGS": json.dumps(settings or {}),
+        "PRIO_ADOPT_PLAIN": "1" if plain else "",
+        "PRIO_ADOPT_ROLE": role,
+        "PRIO_ADOPT_LATE": late,
+    }
+
+
 def _from_env() -> Celery:
     return make_app(
-        os.environ["PRIO_TEST_PREFIX"],
-        os.environ["PRIO_TEST_BROKER"],
-        os.environ["PRIO_TEST_BACKEND"],
-        json.loads(os.environ.get("PRIO_TEST_SETTINGS") or "{}"),
-        plain=os.environ.get("PRIO_TEST_PLAIN") == "1",
-        role=os.environ.get("PRIO_ADOPT_ROLE", "a"),
+        os.environ["PRIO_ADOPT_PREFIX"],
+        os.environ["PRIO_ADOPT_BROKER"],
+        os.environ["PRIO_ADOPT_BACKEND"],
+        json.loads(os.environ.get("PRIO_ADOPT_SETTINGS") or "{}"),
+        plain=os.environ.get("PRIO_ADOPT_PLAIN") == "1",
+        role=os.environ.get("PRIO_ADOPT_ROLE") or "a",
         late=os.environ.get("PRIO_ADOPT_LATE", ""),
     )
 
 
-if "PRIO_TEST_PREFIX" in os.environ:
+if "PRIO_ADOPT_PREFIX" in os.environ:
     app = _from_env()
