@@ -134,7 +134,8 @@ def test_a_rolling_deploy_drains_the_old_default_queue(stock_env):
     old = adopt_app(env, plain=True)
     results = [old.tasks["adopt.a.square"].delay(i, 0) for i in range(3)]
     old_queue = f"{env.prefix}-celery"
-    assert env.adapter.depth(old_queue) == 3
+    # A plain producer does not wait for RabbitMQ's confirm: the depth is read once all three are in.
+    env.wait_for(lambda: env.adapter.depth(old_queue) == 3, timeout=10, what="the old producer's three messages")
     worker = start(env)
     assert [r.get(timeout=30) for r in results] == [0, 1, 4]
     assert "draining it as batch while it has messages (prio_legacy_queues)" in worker.log()

@@ -61,6 +61,9 @@ class RedisPublisher(Publisher):
             for t in TIERS
         }
         options["prio_bell_prefix"] = settings.bell_key(Tier.REALTIME).removesuffix(Tier.REALTIME.label)
+        # A queue of the app's own (``task_routes`` -> ``default``) counts as the default tier's: a publish to it
+        # rings that tier's bell, or a worker serving it, idle on its bells, would see it only at the timeout.
+        options["prio_default_bell"] = settings.bell_key(settings.default_tier)
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
         options["prio_owners_key"] = settings.owners_key

@@ -127,7 +127,7 @@ class Channel(kombu_redis.Channel):
         options = self.connection.client.transport_options
         rule = cap_rule(options, queue)
         if rule is None:
-            return super()._put(queue, message, **kwargs)
+            return self._put_ringing(queue, message, options.get("prio_default_bell"), **kwargs)
         batch = kwargs.get("_publish_batch")
         cap, policy, tier = rule
         if batch is not None and cap < 0:
@@ -159,6 +159,32 @@ class Channel(kombu_redis.Channel):
                 rate = drain_rate(client, options["prio_stats_key"], tier)
                 raise QueueFull.from_drain_rate(parse_tier(tier), int(depth), rate)
             wait_for_replicas(client, options)
+
+    def _put_ringing(self, queue: str, message: dict, bell: str | None, **kwargs: Any) -> None:
+        """A queue of the app's own (no tier queue): kombu's push, and the default tier's bell in the same round
+        trip. Not for kombu's reply queues (remote control answers): no worker serves those."""
+        if (
+            not bell
+            or queue.endswith(PIDBOX_SUFFIX)
+            or queue == self.connection.client.transport_options.get("prio_dead_queue")
+        ):
+            return super()._put(queue, message, **kwargs)
+        batch = kwargs.get("_publish_batch")
+        if batch is not None:  # kombu's Producer.batch(): the bell joins its pipeline
+            super()._put(queue, message, **kwargs)
+            batch.add("lpush", bell, 1)
+            batch.add("ltrim", bell, 0, BELL_MAX - 1)
+            return None
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client:
+            client.pipeline(transaction=False).lpush(key, dumps(message)).lpush(bell, 1).ltrim(
+                bell, 0, BELL_MAX - 1
+            ).execute()
+        return None
+
+
+#: kombu's remote-control reply queues (``<id>.reply.celery.pidbox``).
+PIDBOX_SUFFIX = ".pidbox"
 
 
 def wait_for_replicas(client: Any, options: dict) -> None:
