@@ -87,6 +87,23 @@ def test_a_worker_serving_only_the_apps_own_queue_holds_no_slot_for_realtime(sto
     assert "no slot held back: this worker serves no realtime queue" in worker.log()
 
 
+def test_an_idle_worker_of_the_apps_own_queue_takes_a_new_task_at_once(stock_env):
+    """On Redis an idle worker blocks on its tiers' doorbells: a publish to the app's own queue rings the default
+    tier's (before, it was seen only at the bell's 1 s timeout)."""
+    env = stock_env
+    app = adopt_app(env)
+    start(env, concurrency=2, queues=[f"{env.prefix}-default"])
+    work = app.tasks["adopt.own.a.work"]
+    work.delay("warm", 0).get(timeout=15)
+    waits = []
+    for i in range(3):
+        time.sleep(1.5)  # idle: blocked on the broker
+        sent = time.time()
+        started, _ = work.delay(f"w{i}", 0).get(timeout=15)
+        waits.append(started - sent)
+    assert max(waits) < 0.5, waits
+
+
 def test_a_worker_that_serves_realtime_says_why_it_holds_a_slot(redis_env):
     worker = start(redis_env, concurrency=4)
     assert "1 of 4 held for realtime arrivals (prio_reserve): batch and offline run in at most 3" in worker.log()
