@@ -21,7 +21,7 @@ from celery.utils.imports import symbol_by_name
 
 from .batching import batch_of, takes_batches
 from .brokers import publisher_for
-from .celery_hooks import count_result_waits
+from .celery_hooks import batched_from_the_start, count_result_waits
 from .errors import ConfigError
 from .policy.routes import check_task_tiers
 from .producer.admission import guard_send_task
@@ -80,6 +80,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     route_groups_through_bulk()
     lift_canvases()
     count_result_waits()
+    batched_from_the_start()
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
     publishing.remember_publishes(settings)  # after the stamp: what a boost republishes carries it
     app.on_after_finalize.connect(_on_finalize, weak=False)
