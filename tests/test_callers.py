@@ -57,3 +57,30 @@ def test_a_batched_task_called_eagerly_before_finalize_gets_a_batch_of_one():
         assert classify(1, 1) == 2  # a direct call too
     finally:
         _clean(app, prefix)
+
+
+def test_a_sub_queue_in_use_is_introduced_again_well_inside_prune_after(redis_env, monkeypatch):
+    """A prune pass that found a tenant's sub-queue empty for a moment took it out of the registry; its
+    publishers introduced it again only after 24 h, pushing meanwhile to a queue no worker asked."""
+    import time as real_time
+
+    from celery_prio.brokers import base
+    from celery_prio.brokers.redis.pruning import prune
+    from celery_prio.settings import settings_for
+
+    env = redis_env
+    env.configure(prune_after=60)
+    settings = settings_for(env.app)
+    client = env.adapter.client
+    queue = f"{env.prefix}.batch.acme"
+    sleep = env.app.tasks["t.sleep"]
+    sleep.apply_async(("a", 0), tier="batch", subqueue="acme")
+    assert client.sismember(settings.subqueue_registry, queue)
+    client.delete(queue)  # taken by a worker: the queue is empty for a moment
+    client.delete(f"{env.prefix}.prune")  # no pass ran within the lease's interval
+    assert prune(client, settings, "w", now=real_time.time() + 61)["subqueues"] == 1
+    assert not client.sismember(settings.subqueue_registry, queue)
+    later = real_time.monotonic() + 31  # half of prio_prune_after on
+    monkeypatch.setattr(base.time, "monotonic", lambda: later)
+    sleep.apply_async(("b", 0), tier="batch", subqueue="acme")
+    assert client.sismember(settings.subqueue_registry, queue)

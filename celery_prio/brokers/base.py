@@ -382,17 +382,24 @@ class Publisher:
         self._introduced_at: dict[str, float] = {}  # monotonic time each sub-queue was last made known
         self._subqueues_lock = threading.Lock()
 
-    #: A sub-queue in use is introduced again this often (the registry may forget names unused for long).
+    #: A sub-queue in use is introduced again at least this often (the registry may forget names unused for long).
     REINTRODUCE_AFTER = 24 * 3600.0
+
+    def reintroduce_after(self, settings: PrioSettings) -> float:
+        """Seconds after which a sub-queue in use is introduced again: well inside ``prio_prune_after``, so that
+        a prune pass that finds it empty for a moment never drops a queue publishers still use (they would go
+        on pushing to a queue no worker asks, up to a day); and at least daily for the registry's age limit."""
+        return min(self.REINTRODUCE_AFTER, settings.prune_after / 2)
 
     def subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
         """The kombu Queue of a sub-queue, made known to the workers (and declared) on first use in this process."""
         name = settings.subqueue_name(tier, subqueue)
         queue = self._subqueues.get(name)
-        if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
+        every = self.reintroduce_after(settings)
+        if queue is None or time.monotonic() - self._introduced_at[name] > every:
             with self._subqueues_lock:
                 queue = self._subqueues.get(name)
-                if queue is None or time.monotonic() - self._introduced_at[name] > self.REINTRODUCE_AFTER:
+                if queue is None or time.monotonic() - self._introduced_at[name] > every:
                     # Before the first message: a worker serves the queue from that message on.
                     self.introduce_subqueue(app, settings, tier, name)
                     self._introduced_at[name] = time.monotonic()
