@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # short lull is picked up at once, settle at ``poll_interval`` so an idle
 # worker makes a bounded number of broker calls per second.
 MIN_BACKOFF_FRACTION = 1 / 16
+#: Seconds between two tracebacks of the same fetch failure.
+FAILURE_LOG_INTERVAL = 60.0
 
 
 class EventLoop(Protocol):
@@ -67,6 +69,8 @@ class FetchLoop:
         self._wake_pending = False
         #: Since when the worker has found nothing to fetch and waits on the broker (None while it fetches).
         self.idle_since: float | None = None
+        self._last_failure: str | None = None  # the last fetch failure logged with its traceback, and when
+        self._last_failure_at = 0.0
         source.on_arrival = self.wake
         source.free_slots = scheduler.free_slots
 
@@ -110,10 +114,16 @@ class FetchLoop:
             self._fill_slots()
         except self.reraise:
             raise
-        except Exception:
+        except Exception as exc:
             # Whatever went wrong, the loop goes on: a worker that stops
-            # pumping answers ping and runs nothing.
-            logger.exception("celery-prio: fetch failed; retrying")
+            # pumping answers ping and runs nothing. The same failure again (a failover in progress, a queue
+            # deleted under the worker) is logged with its traceback once a minute, not on every retry.
+            now, said = self.clock(), repr(exc)
+            if said != self._last_failure or now - self._last_failure_at >= FAILURE_LOG_INTERVAL:
+                logger.exception("celery-prio: fetch failed; retrying")
+                self._last_failure, self._last_failure_at = said, now
+            else:
+                logger.debug("celery-prio: fetch failed again (%s); retrying", said)
             self._retry_later()
 
     def _fill_slots(self) -> None:

@@ -20,10 +20,12 @@ onto its bell, so another idle worker is woken in its place.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...settings import PrioSettings
@@ -35,6 +37,12 @@ logger = logging.getLogger(__name__)
 #: Seconds an idle worker blocks on its bells before it fetches once anyway.
 BELL_TIMEOUT = 1.0
 _ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Error replies a wait can get, none of which may end the worker (Celery takes a ResponseError raised in its
+#: event loop for an unrecoverable one): ``-UNBLOCKED`` when the server becomes a replica (a failover,
+#: ``REPLICAOF``), ``-READONLY`` on a replica, ``-OOM`` under ``noeviction``, ``-BUSY`` during a long script,
+#: ``-NOPERM`` from an ACL. The worker polls instead for ``REPLY_ERROR_PAUSE`` seconds, then tries again.
+_REPLY_ERRORS = (ResponseError,)
+REPLY_ERROR_PAUSE = 1.0
 
 
 class Doorbell:
@@ -59,6 +67,8 @@ class Doorbell:
         self._connection: Any = None  # the connection a BLPOP is out on, while it is
         self._tiers: frozenset[Tier] = frozenset()
         self._unblocked = False
+        self._failing: str | None = None  # the error reply that made this worker poll instead, while it does
+        self._retry_at = 0.0  # monotonic time before which a wait is not tried again after an error reply
         self.waits = 0  # BLPOPs sent (reported; bounded by arrivals plus one a second while idle)
         self.rung = 0  # tokens received
         self.passed_on = 0  # tokens put back for another worker (this one had no free slot)
@@ -84,14 +94,22 @@ class Doorbell:
                 # BLPOP with a timeout), and the fetch that follows waits on every tier it asked.
                 self._unblock()
             return True
+        if self._failing is not None and time.monotonic() < self._retry_at:
+            return False  # an error reply a moment ago: poll for now
+        connection = None
         try:
             if self._client is None:
                 self._client = self.make_client()
             connection = self._client.connection_pool.get_connection()
-            if getattr(connection, "prio_client_id", None) is None:  # once per connection: to unblock it
+            # Once per socket, to unblock it: a connection that reconnected (a Redis restart) has a new id, and
+            # ids start again at 1 after a restart, so an old one could unblock another app's client.
+            if getattr(connection, "prio_client_id", (None, None))[0] is not connection._sock:
                 connection.send_command("CLIENT", "ID")
-                connection.prio_client_id = connection.read_response()
+                connection.prio_client_id = (connection._sock, connection.read_response())
             connection.send_command("BLPOP", *(self.settings.bell_key(t) for t in tiers), BELL_TIMEOUT)
+        except _REPLY_ERRORS as exc:
+            self._replied_error(exc, connection)
+            return False
         except _ERRORS as exc:
             logger.debug("celery-prio: cannot wait on the doorbells (%r); polling", exc)
             self.close()
@@ -101,11 +119,23 @@ class Doorbell:
         self.waits += 1
         return True
 
+    def _replied_error(self, exc: Exception, connection: Any) -> None:
+        """An error reply on the wait: never fatal. Poll for a moment, say so once, and try again after."""
+        if self._failing is None:
+            logger.warning(
+                "celery-prio: waiting on the doorbells got an error reply (%s); this worker polls its queues "
+                "until they answer again",
+                exc,
+            )
+        self._failing, self._retry_at = repr(exc), time.monotonic() + REPLY_ERROR_PAUSE
+        if connection is not None and self._client is not None:
+            self._client.connection_pool.release(connection)  # the reply was read: the connection is sound
+
     def _anything_waiting(self, tiers: list[Tier]) -> bool:
         """One ``EXISTS`` over every list of ``tiers`` (True when it cannot tell: fetch to find out)."""
         try:
             return bool(self._client.exists(*self.lists_of(tiers)))
-        except _ERRORS:
+        except (*_ERRORS, *_REPLY_ERRORS):
             return True
 
     def _rang(self, *_: Any) -> None:
@@ -116,12 +146,18 @@ class Doorbell:
         self._connection = None
         try:
             reply = connection.read_response()
+        except _REPLY_ERRORS as exc:
+            self._replied_error(exc, connection)
+            reply = None
         except _ERRORS as exc:
             logger.debug("celery-prio: the doorbell connection failed (%r)", exc)
             self.close()
             reply = None
         else:
             self._client.connection_pool.release(connection)
+            if self._failing is not None:
+                logger.warning("celery-prio: the doorbells answer again; idle workers block on them again")
+                self._failing = None
         if reply is not None:
             self.rung += 1
             if self.free_slots() <= 0:  # filled meanwhile: the token wakes another idle worker instead
@@ -137,15 +173,15 @@ class Doorbell:
     def _unblock(self) -> None:
         self._unblocked = True  # answered as a timeout: the fetch loop must look, not block again
         try:
-            self._client.client_unblock(self._connection.prio_client_id)
-        except _ERRORS:
+            self._client.client_unblock(self._connection.prio_client_id[1])
+        except (*_ERRORS, *_REPLY_ERRORS):
             pass  # the wait ends at its timeout instead
 
     def _pass_on(self, bell: Any) -> None:
         try:
             self._client.pipeline(transaction=False).lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1).execute()
             self.passed_on += 1
-        except _ERRORS:
+        except (*_ERRORS, *_REPLY_ERRORS):
             pass  # another idle worker finds the message at its own timeout
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ...errors import ConfigError
 from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
@@ -78,6 +79,7 @@ class RedisFetchSource(FetchSource):
         return self.doorbell is not None and self.doorbell.wait(order)
 
     def stop(self) -> None:
+        self._stopped = True  # the next beat gives the housekeeper lease up: another worker takes the jobs
         if self.doorbell is not None:
             self.doorbell.close()
 
@@ -248,7 +250,11 @@ class RedisFetchSource(FetchSource):
     # -- housekeeping on the worker's loop --------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         self.chores = RedisHousekeeping(self)
-        return self.chores.jobs(dispatched)
+        self.loop_turned_at = time.monotonic()
+        return [*self.chores.jobs(dispatched), Job(LOOP_MARK_INTERVAL, self._loop_turned, "the loop turns")]
+
+    def _loop_turned(self) -> None:
+        self.loop_turned_at = time.monotonic()
 
     def recover_own(self, held: set[str]) -> int:
         """Owned by this incarnation but not in its hands: fetched on the connection that died, whose
@@ -304,6 +310,7 @@ class RedisFetchSource(FetchSource):
             return False
 
     def join_fleet(self) -> list[list[Any]]:
+        check_server_version(self.channel.client.info("server").get("redis_version"))
         self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
         # Then from a thread, on a connection of its own: a busy event loop (a task under the solo pool,
         # a long housekeeping pass) never makes this live worker look dead.
@@ -313,6 +320,10 @@ class RedisFetchSource(FetchSource):
 
     #: Whether this worker holds the fleet's housekeeper lease (told by every beat; read by the jobs).
     housekeeper = False
+    #: When the worker's event loop last ran a job (monotonic; the heartbeat thread reads it), and whether the
+    #: source stopped fetching (warm shutdown): either way the fleet's jobs cannot run here.
+    loop_turned_at = float("inf")
+    _stopped = False
     _beats = 0
     _serving_written: str | None = None
 
@@ -324,9 +335,12 @@ class RedisFetchSource(FetchSource):
         # restarted without its data learns them again): an idle beat is a few commands.
         self._beats += 1
         fresh = tiers != self._serving_written or self._beats % SERVING_REWRITE == 0
+        # The lease is held only while this worker's event loop turns (the fleet's jobs run there): a task
+        # under the solo pool, or a warm shutdown, hands it to another worker within a beat.
+        can_work = not self._stopped and time.monotonic() - self.loop_turned_at < LOOP_STALE_AFTER
         held = self._beat(
             keys=[self.settings.heartbeats_key, self.settings.serving_key, self.settings.housekeeper_key],
-            args=[self.worker_name, tiers if fresh else "", int(self._lease() * 1000)],
+            args=[self.worker_name, tiers if fresh else "", int(self._lease() * 1000) if can_work else 0],
             client=client or self.channel.client,
         )
         self._serving_written = tiers
@@ -388,3 +402,26 @@ def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
     if not entry.startswith(b"[") or match is None:
         return entry, ""
     return entry[1 : match.start()], match.group(1).decode(errors="replace")
+
+
+#: Seconds between marks that the worker's event loop turns, and the age of the last mark after which the
+#: heartbeat gives the housekeeper lease up (the loop is held: a task under the solo pool).
+LOOP_MARK_INTERVAL = 0.5
+LOOP_STALE_AFTER = 2.0
+
+#: The oldest Redis server the worker runs against: ``ZRANGE ... BYSCORE`` (kombu's restore, here) is 6.2's,
+#: and a doorbell wait's timeout in fractions of a second (``BLPOP``) 6.0's.
+MIN_REDIS = (6, 2)
+
+
+def check_server_version(version: Any) -> None:
+    """``ConfigError`` naming the version found, on a server older than :data:`MIN_REDIS`."""
+    try:
+        found = tuple(int(x) for x in str(version).split(".")[:2])
+    except ValueError:
+        return  # a fork that reports something else: let it try
+    if found < MIN_REDIS:
+        raise ConfigError(
+            f"celery-prio needs Redis {'.'.join(map(str, MIN_REDIS))} or newer (ZRANGE BYSCORE, BLPOP with a "
+            f"fractional timeout); the broker runs Redis {version}"
+        )

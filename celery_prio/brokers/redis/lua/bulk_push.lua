@@ -12,8 +12,12 @@
 local cap = tonumber(ARGV[1])
 local n = redis.call('LLEN', KEYS[1])
 local count = #ARGV - 4
-if cap < 0 or n + count <= cap then  -- room for all: one LPUSH
-  redis.call('LPUSH', KEYS[1], unpack(ARGV, 5))
+if cap < 0 or n + count <= cap then  -- room for all: LPUSHes of at most UNPACK_MAX messages each
+  -- (Lua's unpack fails beyond its stack limit, about 8,000 values: a larger chunk is pushed in parts)
+  local UNPACK_MAX = 4000
+  for first = 5, #ARGV, UNPACK_MAX do
+    redis.call('LPUSH', KEYS[1], unpack(ARGV, first, math.min(first + UNPACK_MAX - 1, #ARGV)))
+  end
   ring(KEYS[4], count)
   return {count, n + count}
 end

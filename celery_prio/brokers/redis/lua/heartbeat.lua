@@ -4,11 +4,17 @@
 -- workers' messages, aging, pruning, the dead-letter cap) run on the one worker that holds it, and
 -- when that worker dies its lease runs out and the next beat of another worker takes it over.
 -- KEYS: heartbeats hash, serving hash, the housekeeper lease. ARGV: worker name, served tier labels
--- (comma-separated), the lease's length in ms. Returns 1 when this worker holds the lease, else 0.
+-- (comma-separated), the lease's length in ms: 0 when this worker cannot run the fleet's jobs now (its event
+-- loop is held by a task under the solo pool, or it is shutting down): it then gives the lease up, or does not
+-- take it, so another worker's next beat takes it. Returns 1 when this worker holds the lease, else 0.
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], ARGV[1], t[1] .. '.' .. string.format('%06d', t[2]))
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end  -- '': unchanged since the last beat
 local holder = redis.call('GET', KEYS[3])
+if ARGV[3] == '0' then
+  if holder == ARGV[1] then redis.call('DEL', KEYS[3]) end
+  return 0
+end
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
   return 1

@@ -1,0 +1,177 @@
+"""The newer paths under faults and in every caller state (issue 34): batched callers before finalize and in eager
+mode, sub-queue re-introduction against pruning, error replies on the doorbell, an old Redis server."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery import Celery
+
+import celery_prio
+from celery_prio.tiers import Tier
+from tests.conftest import REDIS_URL, need_broker
+
+
+def web_app(prefix: str, **conf: Any) -> tuple[Celery, Any]:
+    """A publisher as a web app has it: the tasks module imported, no task looked up, nothing finalized."""
+    app = Celery("web", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
+    app.conf.update(conf)
+    celery_prio.install(app, queue_prefix=prefix)
+
+    @app.task(name="web.classify", batch=celery_prio.Batch(max_size=4))
+    def classify(calls):
+        return [sum(c.args) for c in calls]
+
+    return app, classify
+
+
+def _clean(app: Celery, prefix: str) -> None:
+    with app.connection_for_write() as conn:
+        client = conn.default_channel.client
+        for key in client.scan_iter(f"{prefix}.*"):
+            client.delete(key)
+
+
+def test_a_batched_task_takes_its_callers_arguments_before_the_app_is_finalized():
+    """It raised ``TypeError: classify() takes 1 positional argument but 2 were given``."""
+    need_broker("redis")
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    app, classify = web_app(prefix)
+    try:
+        assert not app.finalized
+        result = classify.apply_async((2, 3))
+        assert result.id
+        assert not app.finalized  # the call did not need the app finalized
+        with app.connection_for_write() as conn:
+            assert conn.default_channel.client.llen(f"{prefix}.batch.sjf-web-classify") == 1
+    finally:
+        _clean(app, prefix)
+
+
+def test_a_batched_task_called_eagerly_before_finalize_gets_a_batch_of_one():
+    need_broker("redis")
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    app, classify = web_app(prefix, task_always_eager=True)
+    try:
+        assert classify.apply_async((2, 3)).get() == 5
+        assert classify.delay(4, 5).get() == 9
+        assert classify(1, 1) == 2  # a direct call too
+    finally:
+        _clean(app, prefix)
+
+
+def test_a_sub_queue_in_use_is_introduced_again_well_inside_prune_after(redis_env, monkeypatch):
+    """A prune pass that found a tenant's sub-queue empty for a moment took it out of the registry; its
+    publishers introduced it again only after 24 h, pushing meanwhile to a queue no worker asked."""
+    import time as real_time
+
+    from celery_prio.brokers import base
+    from celery_prio.brokers.redis.pruning import prune
+    from celery_prio.settings import settings_for
+
+    env = redis_env
+    env.configure(prune_after=60)
+    settings = settings_for(env.app)
+    client = env.adapter.client
+    queue = f"{env.prefix}.batch.acme"
+    sleep = env.app.tasks["t.sleep"]
+    sleep.apply_async(("a", 0), tier="batch", subqueue="acme")
+    assert client.sismember(settings.subqueue_registry, queue)
+    client.delete(queue)  # taken by a worker: the queue is empty for a moment
+    client.delete(f"{env.prefix}.prune")  # no pass ran within the lease's interval
+    assert prune(client, settings, "w", now=real_time.time() + 61)["subqueues"] == 1
+    assert not client.sismember(settings.subqueue_registry, queue)
+    later = real_time.monotonic() + 31  # half of prio_prune_after on
+    monkeypatch.setattr(base.time, "monotonic", lambda: later)
+    sleep.apply_async(("b", 0), tier="batch", subqueue="acme")
+    assert client.sismember(settings.subqueue_registry, queue)
+
+
+def test_a_redis_server_older_than_supported_is_refused_naming_its_version():
+    import pytest
+
+    from celery_prio.brokers.redis.fetch import check_server_version
+    from celery_prio.errors import ConfigError
+
+    check_server_version("7.0.15")
+    check_server_version("6.2.0")
+    check_server_version("valkey-8")  # not a number: let it try
+    with pytest.raises(ConfigError, match=r"needs Redis 6.2 or newer .*the broker runs Redis 5.0.7"):
+        check_server_version("5.0.7")
+
+
+def test_an_idle_worker_survives_its_redis_becoming_a_replica_and_primary_again(tmp_path):
+    """``REPLICAOF`` (what a failover does to the old primary) answers the doorbell's BLPOP with an error reply;
+    raised in Celery's event loop it ended the worker (``Unrecoverable error: ReadOnlyError``)."""
+    import redis
+
+    from celery_prio.tools.workers import free_port
+    from tests.conftest import PrioEnv
+    from tests.test_incarnation import private_redis
+
+    port, server = private_redis(tmp_path)
+    env = PrioEnv("redis", tmp_path, broker=f"redis://127.0.0.1:{port}/0")
+    admin = redis.Redis(port=port)
+    try:
+        worker = env.start_worker(concurrency=2)
+        sleep = env.app.tasks["t.sleep"]
+        assert sleep.apply_async(("before", 0), tier="batch").get(timeout=15) == "before"
+        import time
+
+        time.sleep(1.5)  # idle: blocked on the doorbells
+        admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a primary that is not there
+        time.sleep(3.0)  # the waits get error replies, the fetches READONLY
+        assert worker.proc.poll() is None, worker.log()[-3000:]
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        assert sleep.apply_async(("after", 0), tier="batch").get(timeout=15) == "after"
+        log = worker.log()
+        assert "Unrecoverable error" not in log
+        assert "waiting on the doorbells got an error reply" in log
+        assert log.count("fetch failed; retrying") <= 2, "one traceback per failure and minute, not per retry"
+    finally:
+        env.close()
+        server.kill()
+        server.wait(10)
+
+
+def test_a_housekeeper_busy_with_a_long_solo_task_hands_the_fleet_jobs_over(redis_env):
+    """The lease holder's heartbeat thread kept the lease while its event loop, where the fleet's jobs run, was
+    held by a 40 s task under ``-P solo``: a SIGKILLed worker's acks_late task came back only when that task
+    ended. Now the lease goes with the loop: the task is back within its tier's bound (10 s) plus a beat."""
+    import time
+
+    def events_of(env, tag: str, kind: str) -> list[dict]:
+        return [x for x in env.log() if x["tag"] == tag and x["kind"] == kind]
+
+    env = redis_env
+    holder = env.start_worker(concurrency=1, pool="solo", queues=[env.queue(Tier.OFFLINE)])
+    env.wait_for(lambda: env.adapter.client.get(f"{env.prefix}.housekeeper") is not None, what="the lease taken")
+    env.app.tasks["t.sleep"].apply_async(("long", 40), tier="offline")
+    env.wait_for(lambda: events_of(env, "long", "start"), what="the holder to start its long task")
+    victim = env.start_worker(concurrency=1, pool="solo", queues=[env.queue(Tier.BATCH)])
+    env.app.tasks["t.batch_late"].apply_async(("late", 0.5))
+    time.sleep(0.2)
+    env.app.tasks["t.batch_late"].apply_async(("held", 30))
+    env.wait_for(lambda: events_of(env, "held", "start"), what="the victim to start its acks_late task")
+    victim.kill()
+    killed = time.time()
+    env.start_worker(concurrency=1, pool="solo", queues=[env.queue(Tier.BATCH)])
+    env.wait_for(lambda: len(events_of(env, "held", "start")) == 2, timeout=35, what="the task back")
+    back = events_of(env, "held", "start")[1]["t"] - killed
+    assert back < 15, f"back after {back:.1f} s: the fleet's jobs waited for the busy holder"
+    assert holder.proc.poll() is None
+
+
+def test_a_bulk_chunk_larger_than_luas_unpack_limit_is_pushed_whole(redis_env):
+    """``bulk_push.lua`` passed every message to one ``unpack``, which fails beyond about 8,000 values."""
+    from celery_prio.brokers.redis.scripts import BULK_PUSH
+
+    env = redis_env
+    client = env.adapter.client
+    queue, n = env.queue(Tier.BATCH), 20_000
+    push = client.register_script(BULK_PUSH)
+    keys = [queue, f"{env.prefix}.dead", f"{env.prefix}.stats", f"{env.prefix}.bell.batch"]
+    accepted, depth = push(keys=keys, args=[-1, "reject", "batch", 0, *(f"m{i}" for i in range(n))])
+    assert (accepted, depth) == (n, n) and client.llen(queue) == n
+    assert client.lindex(queue, -1) == b"m0" and client.lindex(queue, 0) == f"m{n - 1}".encode()  # order kept
