@@ -100,7 +100,7 @@ class Doorbell:
         try:
             if self._client is None:
                 self._client = self.make_client()
-            connection = self._client.connection_pool.get_connection()
+            connection = _pool_connection(self._client.connection_pool)
             # Once per socket, to unblock it: a connection that reconnected (a Redis restart) has a new id, and
             # ids start again at 1 after a restart, so an old one could unblock another app's client.
             if getattr(connection, "prio_client_id", (None, None))[0] is not connection._sock:
@@ -198,3 +198,12 @@ class Doorbell:
                 client.connection_pool.disconnect()
             except Exception:
                 pass
+
+
+def _pool_connection(pool: Any) -> Any:
+    """A connection from ``pool``: redis-py 5.3 and newer take no command name (and warn about one), 5.0 to 5.2
+    require it (a TypeError per wait, in a retry loop, on the oldest versions this package allows)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("BLPOP")
