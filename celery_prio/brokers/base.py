@@ -8,10 +8,9 @@
 * :class:`Publisher` — the producer's side, chosen from the broker URL by
   ``install()``: tier queues, capacity, refusals, sub-queues, and the three
   roles below.
-* :class:`BulkSession` — chunks of one task's messages into one queue.
-* :class:`Continuations` — a sliced task's next run, published and recorded
-  in one step.
-* :class:`Booster` — lifting a queued task into a higher tier.
+* :class:`BulkSession` (chunks of one task's messages into one queue),
+  :class:`Continuations` (a sliced task's next run, published and recorded
+  in one step), :class:`Booster` (lifting a queued task to a higher tier).
 
 ``brokers/redis/`` and ``brokers/amqp/`` implement them all,
 ``brokers/memory.py`` the fetch source for fast tests; nothing outside
@@ -101,8 +100,7 @@ class BrokerFigures:
     dead_letters: int | None = None  # the dead-letter queue's length
 
 
-#: The most task names one worker records in the fleet's task directory (``FetchSource.announce_tasks``).
-MAX_ANNOUNCED_TASKS = 10_000
+MAX_ANNOUNCED_TASKS = 10_000  # task names one worker records in the fleet's directory (announce_tasks)
 
 
 class FetchSource(ABC):
@@ -138,8 +136,8 @@ class FetchSource(ABC):
         """The worker's event loop (kombu's Hub), for a source that waits on the broker while idle."""
 
     def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[object]:
-        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (one the worker serves),
-        oldest first, each recorded as this worker's like any fetch. None available: an empty list."""
+        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue``, oldest first, each recorded
+        as this worker's like any fetch (none: an empty list)."""
         return []
 
     def wait_for_work(self, order: list[Tier]) -> bool:
@@ -167,12 +165,10 @@ class FetchSource(ABC):
         return None
 
     def announce_tasks(self, names: list[str]) -> None:  # noqa: B027 - a broker without a directory keeps none
-        """Record in the broker that a worker of this fleet has registered the tasks ``names`` (the directory
-        :meth:`fleet_knows_task` reads: apps sharing a broker, old and new versions in a rolling deploy)."""
+        """Record in the broker's task directory that a worker of this fleet registered the tasks ``names``."""
 
     def fleet_knows_task(self, name: str) -> bool:
-        """Whether some worker of this fleet (now or before) registered task ``name``. False where the broker
-        keeps no directory: a task this worker cannot run is then dead-lettered, as it always was."""
+        """Whether a worker of this fleet ever registered ``name`` (False: no directory; it is dead-lettered)."""
         return False
 
     def recover_own(self, held: set[str]) -> int:
@@ -382,13 +378,10 @@ class Publisher:
         self._introduced_at: dict[str, float] = {}  # monotonic time each sub-queue was last made known
         self._subqueues_lock = threading.Lock()
 
-    #: A sub-queue in use is introduced again at least this often (the registry may forget names unused for long).
-    REINTRODUCE_AFTER = 24 * 3600.0
+    REINTRODUCE_AFTER = 24 * 3600.0  # a sub-queue in use is introduced again at least this often
 
     def reintroduce_after(self, settings: PrioSettings) -> float:
-        """Seconds after which a sub-queue in use is introduced again: well inside ``prio_prune_after``, so that
-        a prune pass that finds it empty for a moment never drops a queue publishers still use (they would go
-        on pushing to a queue no worker asks, up to a day); and at least daily for the registry's age limit."""
+        """Well inside ``prio_prune_after``: a prune pass never drops a sub-queue publishers still use."""
         return min(self.REINTRODUCE_AFTER, settings.prune_after / 2)
 
     def subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
