@@ -19,7 +19,7 @@ def web_app(prefix: str, **conf: Any) -> tuple[Celery, Any]:
     app.conf.update(conf)
     celery_prio.install(app, queue_prefix=prefix)
 
-    @app.task(name="web.classify", batch=celery_prio.Batch(max_size=4))
+    @app.task(name="web.classify", batch=celery_prio.Batch(max_size=4), shared=False)
     def classify(calls):
         return [sum(c.args) for c in calls]
 
