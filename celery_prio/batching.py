@@ -89,17 +89,42 @@ def results_of(run: Callable[[list[Call]], Any], calls: list[Call], name: str) -
     return list(results)
 
 
+#: In a pool child, while Celery's tracer runs one call of a batch: that call's outcome (and the traceback of
+#: its exception), already computed by the batch's one run. Keyed by task id; each entry lives for one trace.
+_SETTLED: dict[str, tuple[Any, Any]] = {}
+
+
+def settle_through_tracer(task_id: str, outcome: Any, traceback: Any, trace: Callable[[], Any]) -> Any:
+    """Run ``trace`` (Celery's tracer for one call of a batch) with the call returning ``outcome``: the tracer
+    then stores it, runs the call's chain, chord, links and signals exactly as for an unbatched call."""
+    _SETTLED[task_id] = (outcome, traceback)
+    try:
+        return trace()
+    finally:
+        _SETTLED.pop(task_id, None)
+
+
 def takes_batches(task: Any) -> None:
-    """Make ``task.run`` take a single call too (a direct call, eager mode, an ETA): as a batch of one.
+    """Make the task take a single call too (a direct call, eager mode, an ETA): as a batch of one.
 
     The function the user wrote, which takes a list of calls, is kept as
-    ``task._celery_prio_batch_run`` for the worker's batches. Idempotent.
+    ``task._celery_prio_batch_run`` for the worker's batches. With Celery's
+    ``autoretry_for`` the wrapper sits inside Celery's retry wrapper, so an
+    exception returned for one call of a batch retries that call. Idempotent.
     """
     if getattr(task, "_celery_prio_batch_run", None) is not None:
         return
-    run = task.run
+    # Celery's autoretry wrapper calls ``task._orig_run`` when it runs: wrap that, keep the retry outside.
+    inner = "_orig_run" if getattr(task, "_orig_run", None) is not None else "run"
+    run = getattr(task, inner)
 
     def run_one(*args: Any, **kwargs: Any) -> Any:
+        settled = _SETTLED.pop(getattr(task.request, "id", None) or "", None)
+        if settled is not None:  # a call of a worker's batch, under Celery's tracer: its outcome is known
+            outcome, traceback = settled
+            if isinstance(outcome, BaseException):
+                raise outcome.with_traceback(traceback)
+            return outcome
         if len(args) == 1 and not kwargs and isinstance(args[0], list) and all(isinstance(c, Call) for c in args[0]):
             return run(args[0])
         call = Call(getattr(task.request, "id", None) or "", tuple(args), dict(kwargs))
@@ -109,10 +134,10 @@ def takes_batches(task: Any) -> None:
         return outcome
 
     task._celery_prio_batch_run = run
-    task.run = run_one
+    setattr(task, inner, run_one)
     # Celery checks a call's arguments against the function's signature, which takes the list of calls:
     # a call's own arguments are the task's business (a bad one fails that call, in the batch).
     task.typing = False
 
 
-__all__ = ["Batch", "BatchResultError", "Call", "batch_of", "results_of", "takes_batches"]
+__all__ = ["Batch", "BatchResultError", "Call", "batch_of", "results_of", "settle_through_tracer", "takes_batches"]

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 import celery_prio
 
@@ -171,6 +171,60 @@ def make_app(
         for call in calls:
             record("call-end", call.args[0])
         return [[call.args[0], len(calls)] for call in calls]
+
+    # -- a batched task inside Celery's canvas (tests/test_batch_canvas.py) ---------------------------------
+    @app.task(shared=False, name="t.batch_double", tier="realtime", batch=celery_prio.Batch(max_size=8, max_delay=0.2))
+    def batch_double(calls: list) -> list:
+        """Each call's number doubled; a negative number fails that call alone; ``"slow"`` takes 3 s."""
+        record("batch", str(len(calls)))
+        if any(call.args[0] == "slow" for call in calls):
+            time.sleep(3)
+        return [ValueError(f"negative: {c.args[0]}") if c.args[0] < 0 else c.args[0] * 2 for c in calls]
+
+    @app.task(
+        shared=False, name="t.batch_time_limited", tier="realtime", time_limit=1,
+        batch=celery_prio.Batch(max_size=4, max_delay=0.05),
+    )  # fmt: skip
+    def batch_time_limited(calls: list) -> list:
+        time.sleep(3)
+        return [c.args[0] for c in calls]
+
+    @app.task(
+        shared=False, name="t.batch_flaky", tier="realtime", autoretry_for=(ConnectionError,), max_retries=3,
+        default_retry_delay=0, retry_backoff=False, batch=celery_prio.Batch(max_size=8, max_delay=0.05),
+    )  # fmt: skip
+    def batch_flaky(calls: list) -> list:
+        """A call tagged ``flaky`` fails its first attempt with a ConnectionError (retried by autoretry_for)."""
+        out: list = []
+        for call in calls:
+            attempt = recorder.incr(f"{prefix}:attempts:{call.args[0]}")
+            record("attempt", f"{call.args[0]}:{attempt}")
+            out.append(ConnectionError("first try") if call.args[0] == "flaky" and attempt == 1 else call.args[0])
+        return out
+
+    @app.task(shared=False, name="t.add_all", tier="batch")
+    def add_all(values: list, tag: str = "total") -> int:
+        record(tag, str(sum(values)))
+        return sum(values)
+
+    @app.task(shared=False, name="t.note")
+    def note(value: Any, tag: str) -> Any:
+        record(tag, json.dumps(value))
+        return value
+
+    @app.task(shared=False, name="t.note_error")
+    def note_error(request: Any, exc: Any, traceback: Any) -> None:
+        record("errback", f"{request.id}:{exc}")
+
+    def signalled(kind: str) -> Any:
+        def receiver(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+            # task_success names no id: the request being traced is the call's
+            record(f"signal-{kind}", task_id or getattr(sender.request, "id", None) or "")
+
+        return receiver
+
+    for kind in ("prerun", "postrun", "success", "failure"):
+        getattr(signals, f"task_{kind}").connect(signalled(kind), sender=batch_double, weak=False)
 
     if os.environ.get("PRIO_TEST_BOGUS_TIER") == "1":  # a typo a worker must refuse to start with
 

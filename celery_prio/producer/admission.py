@@ -35,6 +35,7 @@ def guard_send_task(app: Celery, current_settings: Callable[[], PrioSettings], p
     def send_task_admitted(*args: Any, **kwargs: Any) -> Any:
         settings = current_settings()
         publishing.before_send(app, settings)
+        _named_subqueue(app, settings, publishing, kwargs)
         try:
             return send_task(*args, **kwargs)
         except OperationalError as exc:
@@ -45,6 +46,18 @@ def guard_send_task(app: Celery, current_settings: Callable[[], PrioSettings], p
 
     send_task_admitted.celery_prio = True  # type: ignore[attr-defined]
     app.send_task = send_task_admitted
+
+
+def _named_subqueue(app: Celery, settings: PrioSettings, publishing: Publisher, options: dict[str, Any]) -> None:
+    """A call that names one of our sub-queues by name (Celery's retry does: ``queue=<the routing key it came
+    with>``) goes to that sub-queue as declared, not to a queue of that name Celery would make with no
+    arguments (which RabbitMQ refuses: ``PRECONDITION_FAILED - inequivalent arg 'x-max-length'``)."""
+    queue = options.get("queue")
+    if isinstance(queue, str) and settings.is_subqueue(queue):
+        tier = settings.tier_for_queue(queue)
+        sub = settings.subqueue_of(queue, tier) if tier is not None else None
+        if tier is not None and sub is not None:
+            options["queue"] = publishing.subqueue(app, settings, tier, sub)
 
 
 def _refused(

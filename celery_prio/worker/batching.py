@@ -19,21 +19,17 @@ at its time, as a batch of one (``batching.takes_batches``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import current_app, signals
-from celery.app.task import Context
-from celery.exceptions import WorkerLostError
+from celery import current_app
+from celery.app.trace import build_tracer, report_internal_error
 from celery.utils.log import get_logger
-from celery.worker import state as worker_state
-from celery.worker.request import create_request_cls
-from celery.worker.strategy import hybrid_to_proto2, proto1_to_proto2
-from kombu.utils.imports import symbol_by_name
 
-from ..batching import Batch, Call, batch_of, results_of, takes_batches
+from ..batching import Batch, Call, batch_of, results_of, settle_through_tracer, takes_batches
 from ..tiers import Tier
 
 logger = get_logger(__name__)
@@ -87,35 +83,23 @@ class Batcher:
         return headers.get("task") in self.specs and not headers.get("eta")
 
     def _strategy(self, task: Any, celery_strategy: Callable[..., Any]) -> Callable[..., Any]:
-        c, app = self.c, self.c.app
-        Request = create_request_cls(
-            symbol_by_name(task.Request), task, c.pool, c.hostname, c.event_dispatcher, app=app
-        )
+        # Celery's own handler, built over a view of the consumer whose last step (``on_task_request``, which
+        # would send the request to the pool) adds it to the batch instead: decoding, the received log line and
+        # event, ``task_received``, revoked and expired ids, reserved state stay Celery's.
+        gather = task.start_strategy(self.c.app, _Gathering(self.c, self._gathered))
 
         def collect(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any) -> Any:
-            batch = self.collecting
-            if batch is None:
-                # Not fetched for a batch (an ETA whose time came): Celery runs it alone, a batch of one.
-                return celery_strategy(message, body, ack, reject, callbacks, **kwargs)
-            if body is None and "args" not in message.payload:
-                body, headers, decoded, utc = message.body, message.headers, False, app.uses_utc_timezone()
-            elif "args" in message.payload:
-                body, headers, decoded, utc = hybrid_to_proto2(message, message.payload)
-            else:
-                body, headers, decoded, utc = proto1_to_proto2(message, body)
-            request = Request(
-                message, on_ack=ack, on_reject=reject, app=app, hostname=c.hostname, eventer=c.event_dispatcher,
-                task=task, connection_errors=c.connection_errors, body=body, headers=headers, decoded=decoded,
-                utc=utc,
-            )  # fmt: skip
-            if (request.expires or request.id in worker_state.revoked) and request.revoked():
-                return None  # revoked (or expired): acked and recorded by Celery, skipped here
-            signals.task_received.send(sender=c, request=request)
-            worker_state.task_reserved(request)
-            batch.requests.append(request)
-            return None
+            # Not fetched for a batch (an ETA whose time came): Celery runs it alone, a batch of one.
+            handler = celery_strategy if self.collecting is None else gather
+            return handler(message, body, ack, reject, callbacks, **kwargs)
 
         return collect
+
+    def _gathered(self, request: Any) -> None:
+        if self.collecting is None:  # reached later, through a rate limit's timer: it runs alone
+            self.c.on_task_request(request)
+        else:
+            self.collecting.requests.append(request)
 
     # -- a batch --------------------------------------------------------------------
     def deliver(
@@ -169,8 +153,10 @@ class Batcher:
         self._submit(batch)
 
     def _submit(self, batch: BatchRun) -> None:
-        """One pool job runs the batch; every call's message is acked on its own (at accept, or at the end for
-        ``acks_late``)."""
+        """One pool job runs the batch. Each call settles through its own Celery request, as an unbatched call
+        does: accepted (``task-started``, acked unless ``acks_late``), then succeeded or failed (events, acks,
+        ``task_reject_on_worker_lost``), a time limit per call; a call revoked while the batch waited is
+        skipped, as Celery skips a revoked call before it reaches the pool."""
         if batch.submitted:
             return
         batch.submitted = True
@@ -178,51 +164,45 @@ class Batcher:
         if batch.timer is not None:
             self.hub.timer.cancel(batch.timer)
             batch.timer = None
-        requests = batch.requests
+        requests = [request for request in batch.requests if not request.revoked()]
+        batch.requests = requests
         if not requests:  # every message was invalid or revoked: nothing to run, the slot is free again
             self._finished(batch, 0)
             return
-        acks_late = bool(batch.task.acks_late)
 
         def accepted(pid: int, time_accepted: float) -> None:
             for request in requests:
-                worker_state.task_accepted(request)
-                if not acks_late:
-                    request.acknowledge()
+                request.on_accepted(pid, time_accepted)
 
         def returned(outcome: Any) -> None:
-            self._settle(batch, acks_late, lost=None)
-            self._finished(batch, int(outcome.get("failed", 0)) if isinstance(outcome, dict) else 0)
+            if not (isinstance(outcome, list) and len(outcome) == len(requests)):
+                failed(outcome)  # the child could not run the batch at all (an internal error)
+                return
+            for request, result in zip(requests, outcome, strict=True):
+                request.on_success(result)
+            self._finished(batch, sum(1 for result in outcome if result[0]))
 
-        def failed(exc_info: Any) -> None:  # the pool job died (its child was killed, a time limit)
-            self._settle(batch, acks_late, lost=getattr(exc_info, "exception", exc_info))
+        def failed(exc_info: Any) -> None:  # the pool job died (its child was killed, a hard time limit)
+            for request in requests:
+                request.on_failure(exc_info)
             self._finished(batch, len(requests))
 
-        calls = [(r.id, list(r.args or ()), dict(r.kwargs or {}), _picklable(r.request_dict)) for r in requests]
+        def timed_out(soft: bool, timeout: float) -> None:
+            for request in requests:
+                request.on_timeout(soft, timeout)
+
+        hard, soft = _time_limits(batch.task, requests)
+        calls = [(request.id, *_trace_arguments(request, self.c.hostname)) for request in requests]
         self.c.pool.apply_async(
             run_batch,
             args=(batch.task.name, calls),
             accept_callback=accepted,
             callback=returned,
             error_callback=failed,
+            timeout_callback=timed_out,
+            timeout=hard,
+            soft_timeout=soft,
         )
-
-    def _settle(self, batch: BatchRun, acks_late: bool, lost: Any) -> None:
-        for request in batch.requests:
-            if lost is not None:
-                # As Celery settles a job its pool lost: again if task_reject_on_worker_lost says so, else failed.
-                if acks_late and batch.task.reject_on_worker_lost:
-                    request.reject(requeue=True)
-                else:
-                    batch.task.backend.mark_as_failure(
-                        request.id, WorkerLostError(f"the pool job of this batch ended: {lost!r}"),
-                        request=request._context,
-                    )  # fmt: skip
-                    if acks_late:
-                        request.acknowledge()
-            elif acks_late:
-                request.acknowledge()
-            worker_state.task_ready(request)
 
     def _finished(self, batch: BatchRun, failed: int) -> None:
         self.running.discard(batch)
@@ -234,25 +214,67 @@ class Batcher:
             self._submit(batch)
 
 
-def _picklable(request_dict: dict[str, Any]) -> dict[str, Any]:
-    """What the child needs of a call's request to store its result like Celery does (chords, groups)."""
-    keep = ("id", "group", "group_index", "chord", "root_id", "parent_id", "reply_to", "correlation_id", "retries")
-    return {k: request_dict[k] for k in keep if k in request_dict}
+class _Gathering:
+    """The consumer as Celery's strategy for a batched task sees it: requests are handed to the batch."""
+
+    def __init__(self, consumer: Any, gathered: Callable[[Any], None]) -> None:
+        self._consumer = consumer
+        self.on_task_request = gathered
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
 
 
-def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> dict[str, int]:
-    """In a pool child: the batched function once with every call, one result (or failure) stored per task id."""
+def _time_limits(task: Any, requests: list[Any]) -> tuple[float | None, float | None]:
+    """The batch's pool job limits: the tightest any of its calls has (its own ``time_limit`` option, else the
+    task's, else the app's). A call over its limit fails as Celery fails it, and so does the rest of its batch."""
+
+    def tightest(values: list[Any]) -> float | None:
+        given = [float(v) for v in values if v]
+        return min(given) if given else None
+
+    conf = task.app.conf
+    limits = [request.time_limits for request in requests]
+    hard = tightest([h or task.time_limit or conf.task_time_limit for h, _ in limits])
+    soft = tightest([s or task.soft_time_limit or conf.task_soft_time_limit for _, s in limits])
+    return hard, soft
+
+
+def _trace_arguments(request: Any, hostname: str) -> tuple[list, dict, dict]:
+    """A call's arguments and the request Celery's tracer gets for it in the child (as ``fast_trace_task``
+    builds it: the headers, the message's embedded chain, chord, callbacks and errbacks, its arguments)."""
+    args, kwargs, embed = request._payload
+    context = {**request.request_dict, **(embed or {})}
+    context.update(args=args, kwargs=kwargs, hostname=hostname, is_eager=False)
+    return list(args or ()), dict(kwargs or {}), context
+
+
+#: Per pool process: Celery's tracer of each batched task, built after the task takes single calls.
+_TRACERS: dict[str, Callable[..., Any]] = {}
+
+
+def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> list[tuple[int, Any, float]]:
+    """In a pool child: the batched function once with every call; then each call through Celery's tracer with
+    its outcome, which stores it and runs what follows it (chain, chord, links, signals, retries) as for an
+    unbatched call. Returns what ``fast_trace_task`` returns, per call: ``(failed, result or error, runtime)``."""
     app = current_app._get_current_object()
     task = app.tasks[task_name]
-    run = getattr(task, "_celery_prio_batch_run", None) or task.run
+    takes_batches(task)
+    tracer = _TRACERS.get(task_name)
+    if tracer is None:
+        tracer = _TRACERS[task_name] = build_tracer(task_name, task, app.loader, app=app)
+    started = time.monotonic()
     batch = [Call(task_id, tuple(args), kwargs) for task_id, args, kwargs, _ in calls]
-    outcomes = results_of(run, batch, task_name)
-    failed = 0
+    outcomes = results_of(task._celery_prio_batch_run, batch, task_name)
+    runtime = time.monotonic() - started  # each call took the batch's time
+    settled: list[tuple[int, Any, float]] = []
     for (task_id, args, kwargs, request), outcome in zip(calls, outcomes, strict=True):
-        context = Context({**request, "id": task_id, "args": args, "kwargs": kwargs, "task": task_name})
-        if isinstance(outcome, BaseException):
-            failed += 1
-            task.backend.mark_as_failure(task_id, outcome, request=context)
-        elif not task.ignore_result:
-            task.backend.mark_as_done(task_id, outcome, request=context)
-    return {"size": len(calls), "failed": failed}
+        traceback = outcome.__traceback__ if isinstance(outcome, BaseException) else None
+        try:
+            result, info, _, text = settle_through_tracer(
+                task_id, outcome, traceback, functools.partial(tracer, task_id, args, kwargs, request)
+            )
+        except Exception as exc:  # Celery's tracer itself failed: reported as Celery's trace_task does
+            result, info, text = report_internal_error(task, exc), True, None
+        settled.append((1, result, runtime) if info else (0, text, runtime))
+    return settled
