@@ -12,6 +12,7 @@ naming the setting.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -135,7 +136,7 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     conf.task_routes = runtime.routes = [router, *routes]
     changes.append("task_routes: the tier router first" + (", then the app's own routes" if routes else ""))
 
-    if conf.worker_consumer != CONSUMER_PATH:
+    if not _serves_prio(conf.worker_consumer):  # a PrioConsumer subclass of the app's own stays
         _check_consumer(conf.worker_consumer, before_install=first)
         changes.append(f"worker_consumer {conf.worker_consumer!r} -> {CONSUMER_PATH!r}")
         conf.worker_consumer = CONSUMER_PATH
@@ -162,17 +163,29 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     return changes
 
 
-def _check_consumer(value: Any, before_install: bool) -> None:
-    """``worker_consumer`` must be Celery's (install() replaces it) or celery-prio's, or a subclass of it."""
-    if value in (None, CELERY_DEFAULT_CONSUMER, CONSUMER_PATH):
-        return
+@functools.lru_cache(maxsize=16)
+def _serves_prio(value: Any) -> bool:
+    """Whether ``worker_consumer`` is celery-prio's consumer or the app's own subclass of it."""
+    if value == CONSUMER_PATH:
+        return True
     from .worker.consumer import PrioConsumer
 
     try:
         cls = symbol_by_name(value) if isinstance(value, str) else value
+    except Exception:  # an import error in the user's module: not ours (Celery reports it as it would)
+        return False
+    return isinstance(cls, type) and issubclass(cls, PrioConsumer)
+
+
+def _check_consumer(value: Any, before_install: bool) -> None:
+    """``worker_consumer`` must be Celery's (install() replaces it) or celery-prio's, or a subclass of it."""
+    if value in (None, CELERY_DEFAULT_CONSUMER, CONSUMER_PATH):
+        return
+    try:
+        symbol_by_name(value) if isinstance(value, str) else value
     except Exception:  # an import error in the user's module: let Celery report it as it would
         return
-    if isinstance(cls, type) and issubclass(cls, PrioConsumer):
+    if _serves_prio(value):
         return
     when = "before" if before_install else "after"
     raise ConfigError(
@@ -194,7 +207,7 @@ def replaced_settings(app: Celery, runtime: Prio) -> list[str]:
     queues = {getattr(q, "name", None) for q in conf.task_queues or ()}
     if any(runtime.settings.queue_name(t) not in queues for t in TIERS):
         out.append("task_queues")
-    if conf.worker_consumer != CONSUMER_PATH:
+    if not _serves_prio(conf.worker_consumer):
         out.append("worker_consumer")
     for name, value in runtime.overrides.items():
         key = f"prio_{name.removeprefix('prio_')}"
@@ -217,7 +230,7 @@ def ensure_installed(app: Celery, worker: bool = False) -> PrioSettings:
         and conf.get("task_routes") is runtime.routes
         and conf.get("broker_transport_options") is runtime.transport_options
         and conf.get("task_queues") is runtime.task_queues
-        and (not worker or conf.get("worker_consumer") == CONSUMER_PATH)
+        and (not worker or _serves_prio(conf.get("worker_consumer")))
     ):
         return runtime.settings
     replaced = replaced_settings(app, runtime)

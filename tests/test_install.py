@@ -11,6 +11,7 @@ import celery_prio
 from celery_prio.errors import ConfigError
 from celery_prio.install import CONSUMER_PATH, ensure_installed, replaced_settings
 from celery_prio.runtime import runtime_of
+from celery_prio.worker.consumer import PrioConsumer
 
 
 def make(**conf) -> Celery:
@@ -95,7 +96,24 @@ def test_an_own_consumer_before_install_is_refused_naming_the_setting():
         celery_prio.install(app)
 
 
+class OwnPrioConsumer(PrioConsumer):
+    """The app's own consumer, built on celery-prio's."""
+
+
 def test_a_prio_consumer_subclass_is_accepted():
     app = make(worker_consumer="celery_prio.worker.consumer:PrioConsumer")
     celery_prio.install(app)
     assert app.conf.worker_consumer == CONSUMER_PATH
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_own_prio_consumer_subclass_is_kept(when):
+    """Accepted is kept: install() and its re-application at worker start leave the app's subclass in place."""
+    own = f"{__name__}:OwnPrioConsumer"
+    app = make(worker_consumer=own) if when == "before" else make()
+    celery_prio.install(app)
+    if when == "after":
+        app.conf.worker_consumer = own
+    ensure_installed(app, worker=True)
+    assert app.conf.worker_consumer == own
+    assert "worker_consumer" not in replaced_settings(app, runtime_of(app))
