@@ -64,6 +64,10 @@ def _clean_test_db():
         redis.Redis.from_url(REDIS_URL).flushdb()
 
 
+#: ``prio_boost_key`` of the test apps (a guest broker URL derives none).
+TEST_BOOST_KEY = "celery-prio-test-boost-key"
+
+
 class PrioEnv:
     """One test's broker, queue prefix, client app and workers."""
 
@@ -71,7 +75,9 @@ class PrioEnv:
         self, kind: str, tmp_path: Path, broker: str | None = None, base_settings: dict[str, Any] | None = None
     ) -> None:
         self.kind = kind
-        self.base_settings = dict(base_settings or {})  # under every configure() (e.g. prio_fetch)
+        # Under every configure() (e.g. prio_fetch). Boost on RabbitMQ needs a key when the broker URL is the
+        # well-known guest one, as here (tests/test_boost_signing.py covers the default: boosts refused).
+        self.base_settings = {"boost_key": TEST_BOOST_KEY, **(base_settings or {})}
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
         self.broker = broker or BROKERS[kind]
         self.backend = REDIS_URL

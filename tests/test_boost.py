@@ -323,3 +323,43 @@ def test_boost_figures_and_the_prio_boost_command(redis_env):
     env.wait_for(reported, what="the worker to report the boosted task")
     status = json.loads(env.prio_cli("status", "--json"))
     assert status["tiers"]["offline"]["boosted"] == 1 and status["tiers"]["realtime"]["boosted_seen"] == 1
+
+
+# -- issue 34, item 8: a boost is admitted like a publish, and its scans are bounded ---------------------------
+def test_a_boost_into_a_full_tier_is_refused_and_the_task_stays(env):
+    env.configure(max_length={"realtime": 3})
+    queued = env.app.tasks["t.sleep"].apply_async(("queued", 0.0), tier="offline")
+    for i in range(3):  # no worker: realtime holds its cap
+        env.app.tasks["t.rt_sleep"].delay(f"rt{i}", 0.0)
+    outcome = celery_prio.boost(queued, "realtime")
+    assert outcome.outcome == "refused" and "realtime is full" in outcome.detail and "prio_max_length" in outcome.detail
+    assert env.depth(Tier.OFFLINE) == 1  # still where it was
+
+
+def test_the_held_look_reads_kombus_unacked_hash_a_page_at_a_time(redis_env):
+    """A fleet holding thousands of messages: the look is paged (no single call reads them all), and finds one
+    held at any place in the hash."""
+    from celery_prio.brokers.redis.boost import HELD_PAGE
+    from celery_prio.brokers.redis.scripts import BOOST_HELD
+    from celery_prio.runtime import runtime_of
+
+    booster = runtime_of(redis_env.app).publishing.booster
+    client = redis_env.adapter.client
+    unacked = f"{redis_env.prefix}.test-unacked"
+    held = 3 * HELD_PAGE
+    entries = {str(i): json.dumps([{"headers": {"id": f"task-{i}"}, "body": "x"}, "", "q"]) for i in range(held)}
+    client.hset(unacked, mapping=entries)
+    calls = []
+    script = booster._script(client, BOOST_HELD)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return script(*args, **kwargs)
+
+    try:
+        booster._scripts[BOOST_HELD] = counting  # the real script, its calls counted
+        assert booster.held(client, f"task-{held - 1}", unacked)
+        assert not booster.held(client, "task-none", unacked)
+        assert len(calls) >= 3  # paged: the miss read the whole hash in several calls
+    finally:
+        client.delete(unacked)

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from celery import Celery
 from fastapi.testclient import TestClient
 
@@ -213,6 +214,37 @@ def test_http_waiting_on_a_batch_job_lifts_it_to_realtime(tasks_env):
     assert done.status_code == 200 and [r["label"] for r in done.json()["result"]] == y, done.json()
     left = sum(1 for task_id in backlog if not tasks_env.app.AsyncResult(task_id).ready())
     assert left > 200, (left, waited)  # most of the backlog is still waiting: the job did not wait for it
+
+
+@pytest.mark.slow
+def test_http_result_lifts_a_job_once_and_never_into_a_full_realtime_tier(tmp_path, monkeypatch):
+    """Issue 34, item 8: polling /result does not jump realtime's cap, and polls of one job lift it once."""
+    import celery_prio
+
+    need_broker("redis")
+    env = TasksEnv(tmp_path, max_length={"realtime": 3})
+    lifts: list[str] = []
+    boost = celery_prio.boost
+    monkeypatch.setattr(celery_prio, "boost", lambda *a, **k: lifts.append(a[0].id) or boost(*a, **k))
+    try:
+        client = door(env.app, 0.2)
+        x, _ = images(1)
+        redis_client = redis.Redis.from_url(REDIS_URL)
+        first = client.post("/v1/classify_batch", json={"images": [x[0]]}).json()["task_id"]
+        for _ in range(4):  # no worker: each poll times out; the job is lifted at its first poll only
+            assert client.get(f"/v1/tasks/{first}/result", params={"timeout": 0.05}).status_code == 504
+        assert lifts == [first]
+        assert redis_client.hget(f"{env.prefix}.stats", "boosted:batch") == b"1"
+        for _ in range(2):  # realtime now holds its cap of 3 (the lifted job and two calls)
+            env.app.send_task("tasks.inference.classify", args=[x[0]], tier="realtime")
+        second = client.post("/v1/classify_batch", json={"images": [x[0]]}).json()["task_id"]
+        assert client.get(f"/v1/tasks/{second}/result", params={"timeout": 0.05}).status_code == 504
+        refused = boost(second, "realtime", app=env.app)
+        assert refused.outcome == "refused" and "prio_max_length" in refused.detail, refused
+        assert redis_client.hget(f"{env.prefix}.stats", "boosted:batch") == b"1"  # it stayed in batch
+        assert redis_client.llen(f"{env.prefix}.batch") == 1
+    finally:
+        env.close()
 
 
 @pytest.mark.slow

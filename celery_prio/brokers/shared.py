@@ -83,6 +83,11 @@ def fast_json(value: Any) -> str:
         return dumps(value)
 
 
+def tier_full(tier: Tier, cap: int | None) -> str:
+    """Why a boost into ``tier`` was refused: it holds its cap already (a boost is admitted like a publish)."""
+    return f"{tier.label} is full: it holds its cap of {cap} messages (prio_max_length); the task stays where it is"
+
+
 def boost_lane(settings: PrioSettings, tier: Tier) -> str:
     """The queue a task lifted into ``tier`` goes to (its front lane, served before the tier's queue)."""
     lane = settings.front_lanes().get(tier)

@@ -7,7 +7,8 @@ POST /v1/classify_batch  {"images": [...]} -> 202 {"task_id"}
 POST /v1/evaluate        {}               -> 202 {"task_id"}
 GET  /v1/tasks/{id}                       -> {"state", "result" | "error"}
 GET  /v1/tasks/{id}/result?timeout=2      -> 200 {"state", "result" | "error"}: someone waits on it now,
-                                             so the job is lifted to realtime (celery_prio.wait); 504 at timeout
+                                             so the job is lifted to realtime (celery_prio.boost) once, if
+                                             realtime has room under its cap; 504 at timeout
 
 A full realtime tier answers 429 with Retry-After, so callers can degrade
 instead of queueing; a missed deadline answers 504 (and revokes the task);
@@ -17,7 +18,11 @@ Every route needs an API key (``HTTP_API_KEYS``, sent as ``Authorization:
 Bearer <key>``) or an auth dependency of the operator's (``create_api(auth=)``);
 ``HTTP_AUTH=none`` opts out on a trusted network. Job ids are signed
 (``HTTP_JOB_SECRET``), so ``/result`` lifts only jobs this door submitted
-(anything else: 404, no broker scan). Waits hold no thread.
+(anything else: 404, no broker scan). A lift is admitted like a realtime
+publish: into a full realtime tier it is refused and the job waits in its
+own tier (a key holder cannot jump realtime's 429 by polling). Each job is
+lifted at most once (a refused lift is tried again at most once a second),
+so polling costs no broker scan. Waits hold no thread.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 import os
 import secrets
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +46,7 @@ from starlette.concurrency import run_in_threadpool
 
 import celery_prio
 from celery_prio import QueueFull
+from celery_prio.boost import SETTLED
 from celery_prio.errors import ConfigError
 
 from .checks import check_batch, check_image
@@ -50,6 +57,10 @@ MAX_WAIT_S = 60.0  # longest a caller may hold a request open waiting on a job
 MAX_BODY_BYTES = int(os.environ.get("HTTP_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
 #: Requests waiting on a result at once; more answer 503 (a wait holds no thread, but each one polls).
 MAX_WAITERS = int(os.environ.get("HTTP_MAX_WAITERS", "1000"))
+#: Jobs whose lift this door remembers (tried, and when): polls of one job lift it once.
+MAX_LIFTS_REMEMBERED = 10_000
+#: Seconds before a refused lift (realtime was full) of one job is tried again.
+LIFT_RETRY_S = 1.0
 #: Poll intervals while waiting on a result: short at first (realtime answers come in milliseconds).
 POLL_FIRST_S, POLL_MAX_S = 0.002, 0.1
 
@@ -157,6 +168,7 @@ def create_api(
     secret = job_secret or os.environ.get("HTTP_JOB_SECRET", "").encode() or secrets.token_bytes(32)
     jobs = JobIds(secret)
     waiters = asyncio.Semaphore(MAX_WAITERS)
+    lifts: OrderedDict[str, float] = OrderedDict()  # job id -> when to try its lift again (inf: never)
     api = FastAPI(title="celery-prio inference", version="1", dependencies=[Depends(auth)] if auth else [])
 
     @api.exception_handler(Refused)
@@ -240,14 +252,25 @@ def create_api(
     async def task_state(task_id: str):
         return await run_in_threadpool(described, our_job(task_id))
 
+    async def lift_once(result: Any) -> None:
+        """Lift the job into realtime once (the broker admits it under realtime's cap, else it stays in its tier);
+        later polls of it cost nothing on the broker."""
+        loop_now = asyncio.get_running_loop().time()
+        if lifts.get(result.id, 0.0) > loop_now:
+            return
+        outcome = await run_in_threadpool(celery_prio.boost, result, "realtime")
+        lifts[result.id] = math.inf if outcome.outcome in SETTLED else loop_now + LIFT_RETRY_S
+        lifts.move_to_end(result.id)
+        while len(lifts) > MAX_LIFTS_REMEMBERED:
+            lifts.popitem(last=False)
+
     @api.get("/v1/tasks/{task_id}/result")
     async def task_result(task_id: str, timeout: float = deadline_s):
         """A caller waits on a batch or offline job now: lift it to realtime, then wait (priority inheritance)."""
         if not math.isfinite(timeout) or not 0 < timeout <= MAX_WAIT_S:
             return _error(422, f"timeout must be a number of seconds in (0, {MAX_WAIT_S:g}], got {timeout!r}")
         result = our_job(task_id)
-        # One lift (a bounded look on the broker), then a wait that holds no thread.
-        await run_in_threadpool(celery_prio.boost, result, "realtime")
+        await lift_once(result)
         if not await settled(result, timeout):
             return _error(504, f"no result within {timeout:g} s (the job was lifted to realtime; ask again)")
         return await run_in_threadpool(described, result)

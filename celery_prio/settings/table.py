@@ -115,8 +115,9 @@ SETTINGS: tuple[Setting, ...] = (
         "boost_key",
         None,
         INHERITANCE,
-        "RabbitMQ: the key boost journal records are signed with (≥ 16 characters); `None`: derived from the "
-        "broker URL and `prio_queue_prefix`",
+        "RabbitMQ: the key boost journal records, `prio_supersede` broadcasts and answers are signed with "
+        "(≥ 16 characters); `None`: derived from the broker URL's user, password and vhost and `prio_queue_prefix`, "
+        "or, where the password is empty or `guest`, none (boosts on RabbitMQ are then refused)",
     ),
     Setting(
         "boost_memory_bytes",

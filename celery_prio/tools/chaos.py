@@ -140,6 +140,10 @@ class _Fleet:
             proc.stop()
 
 
+#: The chaos run's ``prio_boost_key`` (it boosts on RabbitMQ as a guest).
+CHAOS_BOOST_KEY = "celery-prio-chaos-boost-key"
+
+
 def run_chaos(
     workdir: Path,
     duration: float = 20.0,
@@ -161,7 +165,13 @@ def run_chaos(
     prefix = f"chaos{uuid.uuid4().hex[:8]}"
     port = free_port()
     broker_url = f"redis://127.0.0.1:{port}/0"
-    settings = {"redeliver_after": FAST_BOUNDS, "aging": {"offline": 2}, **(settings or {})}
+    # Boost on RabbitMQ needs prio_boost_key where the broker URL is the well-known guest one (signing.py).
+    settings = {
+        "redeliver_after": FAST_BOUNDS,
+        "aging": {"offline": 2},
+        "boost_key": CHAOS_BOOST_KEY,
+        **(settings or {}),
+    }
     server = redis_server(port, workdir / "broker")
     recorder = redis.Redis.from_url(record_url)
     env = {

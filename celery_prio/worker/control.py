@@ -10,10 +10,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from celery.utils.log import get_logger
 from celery.worker.control import control_command, inspect_command
 
 from ..policy.superseded import superseded
+from ..runtime import runtime_of
+from ..signing import NO_KEY, boost_key, sign, verified
 from .held_requests import waiting_requests
+
+logger = get_logger(__name__)
 
 
 @inspect_command()
@@ -50,6 +55,7 @@ def prio_supersede(
     retract: bool = False,
     commit: bool = False,
     pending_for: float | None = None,
+    sig: str | None = None,
 ) -> dict[str, Any]:
     """celery-prio boost (RabbitMQ): copies of ``task_id`` below ``generation`` are stale; say if held here.
 
@@ -57,8 +63,20 @@ def prio_supersede(
     holds the task now (it answers ``held``, records nothing), or any copy it
     fetches from now on is checked against the record: pending (for at most
     ``pending_for`` s) until the booster ``commit``s, once its copy is on the broker.
+    Only a broadcast signed under the app's boost key is obeyed (``celery_prio/signing.py``); the answer is
+    signed too, so that the booster counts only this app's workers.
     """
-    prefix = getattr(getattr(state.app, "_celery_prio_settings", None), "queue_prefix", None)
+    runtime = runtime_of(state.app)
+    settings = runtime.settings if runtime is not None else None
+    if settings is None:
+        return {"error": "this worker does not run celery-prio"}
+    prefix = settings.queue_prefix
+    url = state.app.conf.broker_write_url or state.app.conf.broker_url
+    key = boost_key(url, prefix, settings.boost_key)
+    action = "retract" if retract else "commit" if commit else "pending"
+    if not verified(key, sig, "supersede", task_id, generation, action):
+        _refused_supersede(key is None)
+        return {"prefix": prefix, "refused": NO_KEY if key is None else "not signed with this app's boost key"}
     if retract:
         superseded.retract(task_id, generation)
         return {"prefix": prefix, "retracted": True}
@@ -69,4 +87,22 @@ def prio_supersede(
     if not held:
         pending = float(pending_for) if isinstance(pending_for, (int, float)) and pending_for > 0 else None
         superseded.record(task_id, generation, time.time(), pending_for=pending)
-    return {"prefix": prefix, "held": held}
+    assert key is not None  # verified above
+    return {"prefix": prefix, "held": held, "sig": sign(key, "answer", task_id, generation, held)}
+
+
+_last_refusal_log = [0.0]
+
+
+def _refused_supersede(no_key: bool) -> None:
+    """Say so, at most once a minute: a forged or misconfigured broadcast is not obeyed."""
+    now = time.monotonic()
+    if now - _last_refusal_log[0] >= 60:
+        _last_refusal_log[0] = now
+        logger.warning(
+            "celery-prio: ignored a prio_supersede broadcast: %s",
+            NO_KEY
+            if no_key
+            else "not signed with this app's boost key (another app on the vhost, a forged "
+            "message, or processes of one app with different prio_boost_key values)",
+        )

@@ -10,9 +10,11 @@ original cannot be moved. Instead:
    that spawned it). Elsewhere ``boost`` answers ``not_found``.
 2. The boost is *prepared* in the journal ``<prefix>.boosts`` (a stream,
    kept 24 h by the broker's clock) with a publisher confirm. Records are
-   signed (HMAC-SHA256 under ``prio_boost_key``, by default a key derived
-   from the app's broker URL and prefix): a record anyone else wrote to the
-   stream is ignored.
+   signed, as are the ``prio_supersede`` broadcasts and the workers'
+   answers (HMAC-SHA256, ``celery_prio/signing.py``: ``prio_boost_key``, or
+   a key derived from the broker's credentials; none where that would be
+   guessable, and then boosts are refused): what anyone else wrote to the
+   stream or broadcast on the vhost is ignored.
 3. Every live worker must answer ``prio_supersede`` (a broadcast with
    replies): each records "copies of this id below generation n are stale"
    as *pending*, or answers that it holds the task now (then nothing is
@@ -40,9 +42,6 @@ worker, within the journal's 24 h.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import threading
 import time
@@ -55,9 +54,10 @@ import amqp
 from ...headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ...policy.superseded import PENDING_FOR
 from ...settings import PrioSettings
+from ...signing import NO_KEY, boost_key, sign, verified
 from ...tiers import Tier
 from ..base import Boost, Booster
-from ..shared import boost_lane
+from ..shared import boost_lane, tier_full
 from .continuations import _aging_expiration
 from .registry import passive_declares, read_to_marker
 
@@ -69,19 +69,10 @@ JOURNAL_MAX_AGE = "24h"
 JOURNAL_READ_TIMEOUT = 10.0
 
 
-def journal_key(app: Any, settings: PrioSettings) -> bytes:
-    """The key boost records are signed with: ``prio_boost_key``, else one derived from the app's broker
-    URL (credentials and vhost included) and queue prefix, so another app on the vhost cannot forge one."""
-    if settings.boost_key:
-        return settings.boost_key.encode()
+def journal_key(app: Any, settings: PrioSettings) -> bytes | None:
+    """The key boost records, broadcasts and answers are signed with (None: boosts are refused, ``NO_KEY``)."""
     url = app.conf.broker_write_url or app.conf.broker_url or ""
-    if isinstance(url, (list, tuple)):
-        url = ";".join(url)
-    return hashlib.sha256(f"celery-prio boosts\0{url}\0{settings.queue_prefix}".encode()).digest()
-
-
-def _signature(key: bytes, task_id: str, generation: int, phase: str) -> str:
-    return hmac.new(key, json.dumps([task_id, generation, phase]).encode(), hashlib.sha256).hexdigest()
+    return boost_key(url, settings.queue_prefix, settings.boost_key)
 
 
 def journal_name(settings: PrioSettings) -> str:
@@ -202,13 +193,18 @@ class AmqpBooster(Booster):
             return None
         lane = boost_lane(settings, tier)
         key = journal_key(app, settings)
+        if key is None:
+            return Boost("refused", task_id, tier, published.tier, detail=NO_KEY)
         with self._lock, app.connection_for_write() as conn:
             if published.tier <= tier:
                 return Boost("already", task_id, tier, published.tier, detail="published or boosted at this tier")
+            cap = settings.max_length[tier]
+            if cap is not None and tier_depth(conn.connection, waiting_in(app, settings, tier, lane)) >= cap:
+                return Boost("refused", task_id, tier, published.tier, detail=tier_full(tier, cap))
             generation = published.generation + 1
             channel = conn.channel()
             write_journal(channel, settings, key, task_id, generation, "prepare")
-            answers = self._ask_fleet(app, channel, settings, task_id, generation)
+            answers = self._ask_fleet(app, channel, settings, key, task_id, generation)
             if answers is None or any(a.get("held") for a in answers):
                 self._withdraw(app, channel, settings, key, task_id, generation)
                 if answers is None:
@@ -238,15 +234,13 @@ class AmqpBooster(Booster):
                 raise
             # The copy is on the broker: now, and only now, the original is stale for good.
             write_journal(channel, settings, key, task_id, generation, "commit")
-            app.control.broadcast(
-                "prio_supersede", arguments={"task_id": task_id, "generation": generation, "commit": True}
-            )
+            app.control.broadcast("prio_supersede", arguments=supersede_arguments(key, task_id, generation, "commit"))
             from_tier = published.tier
             published.tier, published.generation = tier, generation
             return Boost("boosted", task_id, tier, from_tier, published.queue)
 
     def _ask_fleet(
-        self, app: Any, channel: Any, settings: PrioSettings, task_id: str, generation: int
+        self, app: Any, channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int
     ) -> list[dict] | None:
         """Every live worker's answer to ``prio_supersede``; None when there is none, or one did not answer."""
         expected = fleet_size(channel, settings)
@@ -256,8 +250,10 @@ class AmqpBooster(Booster):
 
         def on_reply(reply: Any) -> None:
             for node, answer in reply.items() if isinstance(reply, dict) else ():
-                # Every Celery worker on the vhost hears the broadcast; only this app's prio workers count.
-                if isinstance(answer, dict) and answer.get("prefix") == settings.queue_prefix:
+                # Every Celery worker on the vhost hears the broadcast; only this app's prio workers count,
+                # and only answers signed under the app's key (a forged "not held" would make a copy run twice).
+                ours = isinstance(answer, dict) and answer.get("prefix") == settings.queue_prefix
+                if ours and verified(key, answer.get("sig"), "answer", task_id, generation, bool(answer.get("held"))):
                     answers[str(node)] = answer
             if len(answers) >= expected:
                 raise _AllAnswered
@@ -265,7 +261,7 @@ class AmqpBooster(Booster):
         try:
             app.control.broadcast(
                 "prio_supersede",
-                arguments={"task_id": task_id, "generation": generation, "pending_for": PENDING_FOR},
+                arguments={**supersede_arguments(key, task_id, generation, "pending"), "pending_for": PENDING_FOR},
                 reply=True,
                 timeout=settings.boost_timeout,
                 callback=on_reply,
@@ -277,9 +273,18 @@ class AmqpBooster(Booster):
     @staticmethod
     def _withdraw(app: Any, channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int) -> None:
         write_journal(channel, settings, key, task_id, generation, "withdrawn")
-        app.control.broadcast(
-            "prio_supersede", arguments={"task_id": task_id, "generation": generation, "retract": True}
-        )
+        app.control.broadcast("prio_supersede", arguments=supersede_arguments(key, task_id, generation, "retract"))
+
+
+def supersede_arguments(key: bytes, task_id: str, generation: int, action: str) -> dict[str, Any]:
+    """A signed ``prio_supersede`` broadcast: ``pending`` (answer whether held), ``commit`` or ``retract``."""
+    flags = {"commit": action == "commit", "retract": action == "retract"}
+    return {
+        "task_id": task_id,
+        "generation": generation,
+        **flags,
+        "sig": sign(key, "supersede", task_id, generation, action),
+    }
 
 
 def declare_journal(channel: Any, settings: PrioSettings) -> None:
@@ -303,11 +308,30 @@ def write_journal(channel: Any, settings: PrioSettings, key: bytes, task_id: str
         "gen": generation,
         "phase": phase,
         "at": time.time(),  # for people reading the stream; expiry goes by the broker's clock (x-max-age)
-        "sig": _signature(key, task_id, generation, phase),
+        "sig": sign(key, task_id, generation, phase),
     }
     channel.basic_publish_confirm(
         amqp.Message(b"", application_headers=record, delivery_mode=2), exchange="", routing_key=journal_name(settings)
     )
+
+
+#: Shortest-first queues counted against a tier's cap when a boost enters it (one passive declare each).
+MAX_COUNTED_TASK_QUEUES = 64
+
+
+def waiting_in(app: Any, settings: PrioSettings, tier: Tier, lane: str) -> list[str]:
+    """The queues counted against ``tier``'s cap when a boost enters it: its queue, its front lane and, in
+    realtime, the shortest-first queues of the app's own tasks (at most ``MAX_COUNTED_TASK_QUEUES``)."""
+    names = [settings.queue_name(tier), lane]
+    if tier is Tier.REALTIME:
+        tasks = [name for name in app.tasks if not name.startswith("celery.")]
+        names += [settings.sjf_queue(name) for name in tasks[:MAX_COUNTED_TASK_QUEUES]]
+    return names
+
+
+def tier_depth(connection: Any, queues: list[str]) -> int:
+    """Messages ready in ``queues`` now (one passive declare each, on a channel of their own)."""
+    return sum(int(ok.message_count) for ok in passive_declares(connection, queues) if ok)
 
 
 def fleet_size(channel: Any, settings: PrioSettings) -> int:
@@ -342,7 +366,7 @@ def read_journal(connection: Any, settings: PrioSettings, key: bytes) -> list[li
         task_id, gen, phase, sig = headers.get("id"), headers.get("gen"), headers.get("phase"), headers.get("sig")
         if not isinstance(task_id, str) or not isinstance(gen, int) or phase not in PHASES:
             return  # not a boost record: anyone can publish here
-        if not isinstance(sig, str) or not hmac.compare_digest(sig, _signature(key, task_id, gen, phase)):
+        if not verified(key, sig, task_id, gen, phase):
             forged += 1
             return
         known = records.get(task_id)

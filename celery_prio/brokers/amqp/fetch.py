@@ -310,6 +310,7 @@ class AmqpFetchSource(FetchSource):
         return name in self.follower.tasks
 
     def join_fleet(self) -> list[list[Any]]:
+        from ...signing import NO_KEY
         from .boost import join_fleet, journal_key, read_journal
 
         # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
@@ -327,11 +328,15 @@ class AmqpFetchSource(FetchSource):
             logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
             return []
         records: list[list[Any]] = []
+        key = journal_key(self.app, self.settings)
+        if key is None:  # no boost can be written, nor obeyed: nothing to read
+            logger.info("celery-prio: %s, but %s; this worker ignores prio_supersede", FLEET_JOINED, NO_KEY)
+            return records
         for attempt in range(JOURNAL_READ_TRIES):
             try:
                 with self.app.connection_for_write() as conn:
                     conn.ensure_connection(max_retries=3)
-                    records = read_journal(conn.connection, self.settings, journal_key(self.app, self.settings))
+                    records = read_journal(conn.connection, self.settings, key)
                 break
             except Exception:
                 if attempt + 1 < JOURNAL_READ_TRIES:  # e.g. INTERNAL_ERROR while many workers declare it at once

@@ -19,7 +19,7 @@ from ...policy.aging import readdress
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..base import Boost, Booster
-from ..shared import boost_lane, tier_queues
+from ..shared import boost_lane, tier_full, tier_queues
 from .continuations import RedisContinuations
 from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
 
@@ -28,6 +28,8 @@ from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
 SCAN_OVERLAP = 100
 #: Looks again when the task left its list between the find and the move.
 MOVE_TRIES = 3
+#: Entries of kombu's unacked hash read per call while looking whether a worker holds the task.
+HELD_PAGE = 500
 
 
 class RedisBooster(Booster):
@@ -75,19 +77,33 @@ class RedisBooster(Booster):
             message = json.loads(raw)  # the script parsed it already: it is a JSON object with headers
             rewritten = json.dumps(readdress(message, from_tier, lane, BOOSTED_HEADER))
             move = self._script(client, BOOST_MOVE)
-            if move(
-                keys=[queue, lane, settings.stats_key, settings.bell_key(tier)],
-                args=[raw, rewritten, from_tier.label],
+            cap, tier_list = settings.max_length[tier], settings.queue_name(tier)
+            moved = move(
+                keys=[queue, lane, settings.stats_key, settings.bell_key(tier), tier_list, settings.subqueue_registry],
+                args=[raw, rewritten, from_tier.label, -1 if cap is None else cap, tier_list + "."],
                 client=client,
-            ):
+            )
+            if moved == -1:
+                return Boost("refused", task_id, tier, from_tier, queue, detail=tier_full(tier, cap))
+            if moved:
                 return Boost("boosted", task_id, tier, from_tier, queue)
             # Gone between the look and the move: a worker took it, aging or another boost moved it. Look again.
         hit = self.find(client, task_id, higher)
         if hit is not None:
             return Boost("already", task_id, tier, settings.tier_for_queue(hit[0]), hit[0])
-        if self._script(client, BOOST_HELD)(keys=[unacked], args=[task_id], client=client):
+        if self.held(client, task_id, unacked):
             return Boost("running", task_id, tier, detail="fetched by a worker and not acked yet")
         return None
+
+    def held(self, client: Any, task_id: str, unacked: str) -> bool:
+        """Whether a worker holds the task (kombu's unacked hash), read a page per call."""
+        script, cursor = self._script(client, BOOST_HELD), "0"
+        while True:
+            found, cursor = script(keys=[unacked], args=[task_id, cursor, HELD_PAGE], client=client)
+            if int(found):
+                return True
+            if cursor in (b"0", "0", 0):
+                return False
 
     def find(self, client: Any, task_id: str, queues: list[str]) -> tuple[str, bytes] | None:
         """``(queue, element)`` of the task among ``queues``, or None; in looks of bounded length."""

@@ -23,7 +23,9 @@ def run_dependency_wait(mode: str, broker: str, backlog: int, seconds: float, lo
     from ...boost import boost
     from ...producer.bulk import bulk
 
-    run = Run("native" if mode == "native" else "prio", broker, logdir, 4)
+    # Boost on RabbitMQ needs prio_boost_key where the broker URL is the well-known guest one (signing.py).
+    keyed = {} if mode == "native" else {"boost_key": "celery-prio-bench-boost-key"}
+    run = Run("native" if mode == "native" else "prio", broker, logdir, 4, **keyed)
     try:
         run.start_worker()
         run.warm_up()
