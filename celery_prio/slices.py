@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.utils.log import get_task_logger
 
 from .brokers.base import Continuation
@@ -114,8 +114,19 @@ class _SliceRun:
         marker = getattr(request, SLICE_HEADER, None) or headers.get(SLICE_HEADER) or {}
         generation = marker.get("gen", 0) if isinstance(marker, dict) else 0
         generation = generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
+        enqueued_at = marker.get("enqueued_at") if isinstance(marker, dict) else None
+        if enqueued_at is None:
+            enqueued_at = getattr(request, ENQUEUED_HEADER, None) or headers.get(ENQUEUED_HEADER)
+        since = float(enqueued_at) if isinstance(enqueued_at, (int, float)) and not isinstance(enqueued_at, bool) else 0
         continuations = app._celery_prio_publishing.continuations
-        if continuations.stale(app, settings, request.id, generation, _is_redelivered(request)):
+        try:
+            stale = continuations.stale(app, settings, request.id, generation, _is_redelivered(request), since)
+        except Exception as exc:
+            # Unknown whether a continuation took over: running it might run slices twice. Back to its queue.
+            logger.warning("celery-prio: %s[%s]: could not check for a newer continuation (%r); given back to its "
+                           "queue to be checked again", task.name, request.id, exc)  # fmt: skip
+            raise Reject(exc, requeue=True) from None
+        if stale:
             logger.info(
                 "celery-prio: %s[%s] generation %d was already continued: stale copy acked unrun",
                 task.name,
@@ -126,9 +137,6 @@ class _SliceRun:
         slice_length = settings.slice[tier]
         if slice_length is None:
             return None
-        enqueued_at = marker.get("enqueued_at") if isinstance(marker, dict) else None
-        if enqueued_at is None:
-            enqueued_at = getattr(request, ENQUEUED_HEADER, None) or headers.get(ENQUEUED_HEADER)
         return cls(task, {resume: None, **carry}, tier, slice_length, generation, enqueued_at)
 
     def should_yield(self) -> bool:

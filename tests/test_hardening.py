@@ -3,6 +3,7 @@ mode, sub-queue re-introduction against pruning, error replies on the doorbell, 
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -175,3 +176,57 @@ def test_a_bulk_chunk_larger_than_luas_unpack_limit_is_pushed_whole(redis_env):
     accepted, depth = push(keys=keys, args=[-1, "reject", "batch", 0, *(f"m{i}" for i in range(n))])
     assert (accepted, depth) == (n, n) and client.llen(queue) == n
     assert client.lindex(queue, -1) == b"m0" and client.lindex(queue, 0) == f"m{n - 1}".encode()  # order kept
+
+
+def test_an_idle_rabbitmq_worker_whose_slots_fill_without_a_fetch_holds_nothing_pushed(amqp_env):
+    """Item 9: a worker waits on consumers while idle; its only slot then fills without a fetch (a task whose
+    countdown came). A message pushed meanwhile goes back at once, for another worker to run, instead of
+    waiting in this one's hand for the length of its task."""
+    env = amqp_env
+    env.start_worker(concurrency=1)
+    sleep = env.app.tasks["t.sleep"]
+    sleep.apply_async(("eta", 6.0), countdown=1.0, tier="batch")  # fetched now, runs in a second: no fetch then
+    env.wait_for(lambda: any(x["tag"] == "eta" for x in env.log()), what="the countdown task to start")
+    time.sleep(0.3)  # the worker is busy; had it kept its idle consumers, the next push would stay in its hand
+    pushed = sleep.apply_async(("pushed", 0.0), tier="batch")
+    time.sleep(0.5)
+    env.start_worker(concurrency=1)  # a second worker, free: it runs the message at once
+    assert pushed.get(timeout=4.0) == "pushed"  # not after the first worker's 6 s task
+
+
+def test_a_stale_copy_check_reads_the_slices_journal_from_the_tasks_first_publish_only(amqp_env):
+    """Item 9: a sliced task given back (or aged through a dead-letter exchange) checks the journal for a newer
+    continuation. It reads what was appended since the task was first published, not the whole stream (up to
+    64 MB: a read that outlived its timeout failed the task)."""
+    import amqp as pyamqp
+
+    from celery_prio.brokers.amqp.continuations import declare_journal, journal_name
+    from celery_prio.brokers.amqp.registry import read_to_marker
+    from celery_prio.settings import settings_for
+
+    settings = settings_for(amqp_env.app)
+    with amqp_env.app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=3)
+        channel = conn.connection.channel()
+        declare_journal(channel, settings)
+        for i in range(3000):  # other tasks' continuations, long before this task was published
+            headers = {"slice": f"other-{i}", "gen": 1}
+            channel.basic_publish(pyamqp.Message(b"", application_headers=headers), routing_key=journal_name(settings))
+        time.sleep(2.0)
+        first_published = time.time()
+        time.sleep(0.5)
+        channel.basic_publish(
+            pyamqp.Message(b"", application_headers={"slice": "mine", "gen": 2}),
+            routing_key=journal_name(settings),
+        )
+        seen: list[dict] = []
+        read = read_to_marker(
+            conn.connection, journal_name(settings), lambda ch: declare_journal(ch, settings), seen.append, 10.0,
+            since=first_published,
+        )  # fmt: skip
+        assert any(h.get("slice") == "mine" for h in seen)
+        assert read < 100, read  # not the 3,000 records before it
+        everything = read_to_marker(
+            conn.connection, journal_name(settings), lambda ch: declare_journal(ch, settings), lambda h: None, 10.0
+        )
+        assert everything >= 3001

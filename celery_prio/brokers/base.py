@@ -60,12 +60,10 @@ BOOST_OUTCOMES = ("boosted", "already", "running", "finished", "not_found", "ref
 class Boost:
     """What one ``celery_prio.boost(task, tier)`` did.
 
-    ``boosted``: lifted into ``tier``'s front lane (from ``from_tier``'s
-    ``queue``). ``already``: queued at ``tier`` or above, nothing to do.
-    ``running``: a worker holds it (running, reserved or waiting for its
-    ETA). ``finished``: its result is in. ``not_found``: not queued where this
-    process can lift it, and not known to have started (``detail`` says why).
-    ``refused``: not lifted because it could not be done safely (``detail``).
+    ``boosted``: lifted into ``tier``'s front lane (from ``from_tier``'s ``queue``). ``already``: queued at
+    ``tier`` or above, nothing to do. ``running``: a worker holds it (running, reserved or waiting for its ETA).
+    ``finished``: its result is in. ``not_found``: not queued where this process can lift it, and not known to
+    have started (``detail`` says why). ``refused``: not lifted: ``tier`` is full, or it could not be done safely.
     """
 
     outcome: str
@@ -300,9 +298,11 @@ class Continuations(ABC):
     def committed(self, app: Celery, settings: PrioSettings, task_id: str) -> int:
         """How many continuations of ``task_id`` were committed (a copy of an earlier generation is stale)."""
 
-    def stale(self, app: Celery, settings: PrioSettings, task_id: str, generation: int, redelivered: bool) -> bool:
-        """Whether this copy of ``task_id`` (its ``generation``; ``redelivered``: given back to its queue once, or
-        dead-lettered, before) is older than a committed continuation: then it is acked unrun."""
+    def stale(
+        self, app: Celery, settings: PrioSettings, task_id: str, generation: int, redelivered: bool, since: float = 0
+    ) -> bool:
+        """Whether this copy of ``task_id`` (its ``generation``; ``redelivered``: given back or dead-lettered before;
+        ``since``: its first publish's time, 0 if unknown) is older than a committed continuation: then acked unrun."""
         return (redelivered or generation > 0) and self.committed(app, settings, task_id) > generation
 
     @abstractmethod

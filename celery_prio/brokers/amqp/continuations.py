@@ -7,8 +7,11 @@ the two leaves the original in its queue, and RabbitMQ gives it back marked
 redelivered (or, aged through a dead-letter exchange, with ``x-death``).
 Only such a copy can be stale, so only such a copy reads the stream (to a
 marker appended then, so nothing committed before is missed) for its id: a
-check per crash, not per continuation, and no queue per task. The stream
-keeps a day of records (``MARKER_TTL``) and at most ``JOURNAL_MAX_BYTES``.
+check per crash, not per continuation, and no queue per task. It reads from
+the task's first publish on (less ``CLOCK_SLACK``, for clocks apart), not
+the whole stream: what it reads is the app's continuations during the task's
+own life. The stream keeps a day of records (``MARKER_TTL``) and at most
+``JOURNAL_MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from .registry import read_to_marker
 JOURNAL_MAX_BYTES = 64 * 1024 * 1024
 #: Seconds a stale-copy check may wait for the journal's next record (a long journal is read to its end).
 JOURNAL_READ_TIMEOUT = 10.0
+#: Seconds before a task's first publish that its stale-copy check starts reading at (publishers' and the
+#: broker's clocks may differ by this much).
+CLOCK_SLACK = 300.0
 
 
 def journal_name(settings: PrioSettings) -> str:
@@ -107,9 +113,9 @@ class AmqpContinuations(ProcessConnection, Continuations):
 
         self._with_channel(app, work)
 
-    def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
+    def committed(self, app: Any, settings: PrioSettings, task_id: str, since: float = 0) -> int:
         """The highest generation the journal holds for ``task_id`` (read to its end: exact, and costs a read
-        of the journal; asked only after a crash)."""
+        of the journal from ``since`` on, or all of it; asked only after a crash)."""
         highest = 0
 
         def on_record(headers: dict) -> None:
@@ -126,15 +132,18 @@ class AmqpContinuations(ProcessConnection, Continuations):
                 lambda channel: declare_journal(channel, settings),
                 on_record,
                 JOURNAL_READ_TIMEOUT,
+                since=max(0.0, since - CLOCK_SLACK) if since else 0,
             )
         except conn.connection_errors:
             self.forget()
             raise
         return highest
 
-    def stale(self, app: Any, settings: PrioSettings, task_id: str, generation: int, redelivered: bool) -> bool:
+    def stale(
+        self, app: Any, settings: PrioSettings, task_id: str, generation: int, redelivered: bool, since: float = 0
+    ) -> bool:
         # A copy that never went back to its queue is the one the last run published: never stale.
-        return redelivered and self.committed(app, settings, task_id) > generation
+        return redelivered and self.committed(app, settings, task_id, since) > generation
 
     def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""

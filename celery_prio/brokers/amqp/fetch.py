@@ -81,7 +81,8 @@ class AmqpFetchSource(FetchSource):
         # queue counts toward its delivery limit: there, every queue is asked on its own.
         self._pipeline_max = 1 if settings.queue_type == "quorum" else PIPELINE_MAX
         # Idle: consumers instead of polling (``idle.py``); not on quorum queues (a give-back counts there).
-        self.idle = IdleWait(lambda: self.on_arrival()) if settings.queue_type != "quorum" else None
+        quorum = settings.queue_type == "quorum"
+        self.idle = None if quorum else IdleWait(lambda: self.on_arrival(), lambda: self.free_slots() > 0)
         self._hub: Any = None
         self._recheck: Any = None  # the idle safety net's timer
 

@@ -15,7 +15,9 @@ cancel, or a message of a tier the scheduler does not ask for this slot)
 goes straight back to its queue, its consumer gone. Every consumer is
 cancelled when a fetch fills the worker's last free slot, so nothing is
 pushed to a worker that could not run it: the default's promise of holding
-nothing another worker could run holds.
+nothing another worker could run holds. Slots also fill without a fetch (a
+task whose ETA came, a batch topping up): a message pushed to a worker with
+no free slot goes back at once and every consumer is cancelled.
 
 Not on quorum queues: a message given back counts toward a quorum queue's
 delivery limit, so idle workers there poll as before.
@@ -41,8 +43,9 @@ IDLE_RECHECK = 1.0
 class IdleWait:
     """Consumers on the queues an idle worker waits on; a push wakes the fetch loop."""
 
-    def __init__(self, on_arrival: Callable[[], None]) -> None:
+    def __init__(self, on_arrival: Callable[[], None], has_room: Callable[[], bool] = lambda: True) -> None:
         self.on_arrival = on_arrival
+        self.has_room = has_room  # a free slot now (slots also fill without a fetch)
         self.channel: Any = None
         self._tags = itertools.count(1)
         self._tag_of: dict[str, str] = {}  # queue -> its live consumer's tag
@@ -85,6 +88,10 @@ class IdleWait:
         queue = self._queue_of.get(raw.delivery_info.get("consumer_tag"))
         if queue is None:  # a consumer cancelled meanwhile: never keep what nobody takes
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
+            return
+        if not self.has_room():  # busy since it started waiting: back for another worker, and wait no more
+            self.channel.basic_reject(raw.delivery_tag, requeue=True)
+            self.end()
             return
         self._cancel(queue)
         self._hand.setdefault(queue, deque()).append(raw)

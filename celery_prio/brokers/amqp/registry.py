@@ -26,6 +26,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 import amqp
@@ -159,12 +160,19 @@ class RegistryFollower:
 
 
 def read_to_marker(
-    connection: Any, queue: str, declare: Callable[[Any], None], on_record: Callable[[dict], None], timeout: float
-) -> None:
+    connection: Any,
+    queue: str,
+    declare: Callable[[Any], None],
+    on_record: Callable[[dict], None],
+    timeout: float,
+    since: float = 0,
+) -> int:
     """Call ``on_record(headers)`` for every record of the stream ``queue``, up to a marker appended here,
     so nothing written before the call is missed. ``timeout`` bounds the wait for the *next* record, not
-    the whole read: a long stream is read to its end. ``connection``: a py-amqp connection of its own (this
-    drains its events); ``declare(channel)`` declares the stream."""
+    the whole read: a long stream is read to its end. ``since`` (epoch seconds, by the broker's clock): start
+    at the records appended from then on (RabbitMQ starts at the chunk holding that time), not at the first.
+    ``connection``: a py-amqp connection of its own (this drains its events); ``declare(channel)`` declares
+    the stream. Returns how many records were read."""
     channel = connection.channel()
     try:
         declare(channel)
@@ -174,24 +182,29 @@ def read_to_marker(
         )
         done: list[bool] = []
         deadline = time.monotonic() + timeout
+        read = 0
 
         def on_message(message: Any) -> None:
-            nonlocal deadline
+            nonlocal deadline, read
             deadline = time.monotonic() + timeout  # progress: however long the stream, read on to the marker
             channel.basic_ack(message.delivery_tag)
             headers = message.headers or {}
             if headers.get("marker") == marker:
                 done.append(True)
             else:
+                read += 1
                 on_record(headers)
 
         channel.basic_qos(0, FOLLOW_PREFETCH, False)
-        channel.basic_consume(queue, callback=on_message, arguments={"x-stream-offset": "first"})
+        # A stream offset by time is an AMQP timestamp (py-amqp sends a datetime as one).
+        offset: Any = datetime.fromtimestamp(since, tz=UTC) if since > 0 else "first"
+        channel.basic_consume(queue, callback=on_message, arguments={"x-stream-offset": offset})
         while not done:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"celery-prio: no record of {queue} for {timeout:g} s before its end")
             connection.drain_events(timeout=left)
+        return read
     finally:
         if channel.is_open:
             channel.close()
