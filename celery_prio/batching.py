@@ -33,6 +33,9 @@ from .errors import ConfigError
 MAX_BATCH = 10_000
 #: The longest ``max_delay`` (seconds): a batch holds a worker slot while it waits.
 MAX_DELAY = 60.0
+#: Bytes of call messages a batch holds at most: it takes no more calls once its messages weigh this much
+#: (it always holds the call that started it), so ``max_size`` large calls cannot exhaust a worker's memory.
+MAX_BATCH_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -140,4 +143,13 @@ def takes_batches(task: Any) -> None:
     task.typing = False
 
 
-__all__ = ["Batch", "BatchResultError", "Call", "batch_of", "results_of", "settle_through_tracer", "takes_batches"]
+__all__ = [
+    "MAX_BATCH_BYTES",
+    "Batch",
+    "BatchResultError",
+    "Call",
+    "batch_of",
+    "results_of",
+    "settle_through_tracer",
+    "takes_batches",
+]

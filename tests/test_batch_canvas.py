@@ -141,3 +141,16 @@ def test_autoretry_retries_one_call_of_a_batch(env):
     assert [r.get(timeout=30) for r in results] == ["a", "flaky", "b"]
     attempts = sorted(tags(env, "attempt"))
     assert attempts == ["a:1", "b:1", "flaky:1", "flaky:2"]  # only the failed call ran again
+
+
+def test_a_batch_of_large_calls_stops_at_its_byte_budget(env):
+    """Item 9: a batch takes no more calls once their messages weigh MAX_BATCH_BYTES (64 MiB): 12 calls of 9 MB
+    (under RabbitMQ's 16 MiB message limit) run in batches of at most 8, each call answered."""
+    env.start_worker(concurrency=1)
+    hold_the_slot(env, 2.0)
+    lengths = env.app.tasks["t.batch_lengths"]  # max_size 32
+    big = "x" * (9 * 1024 * 1024)
+    results = [lengths.delay(big) for _ in range(12)]
+    assert [r.get(timeout=60) for r in results] == [len(big)] * 12
+    sizes = [int(size) for size in tags(env, "batch")]
+    assert sum(sizes) == 12 and max(sizes) <= 8, sizes

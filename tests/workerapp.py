@@ -202,6 +202,14 @@ def make_app(
             out.append(ConnectionError("first try") if call.args[0] == "flaky" and attempt == 1 else call.args[0])
         return out
 
+    @app.task(
+        shared=False, name="t.batch_lengths", tier="realtime", batch=celery_prio.Batch(max_size=32, max_delay=0.05)
+    )
+    def batch_lengths(calls: list) -> list:
+        """Each call's argument's length (large arguments: the batch's byte budget)."""
+        record("batch", str(len(calls)))
+        return [len(c.args[0]) for c in calls]
+
     @app.task(shared=False, name="t.add_all", tier="batch")
     def add_all(values: list, tag: str = "total") -> int:
         record(tag, str(sum(values)))

@@ -133,9 +133,9 @@ class FetchSource(ABC):
     def attach_loop(self, hub: object) -> None:  # noqa: B027 - a source that never blocks needs no loop
         """The worker's event loop (kombu's Hub), for a source that waits on the broker while idle."""
 
-    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[object]:
-        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue``, oldest first, each recorded
-        as this worker's like any fetch (none: an empty list)."""
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[object]:
+        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (about ``max_bytes`` of them
+        at most, 0: no bound), oldest first, each recorded as this worker's like any fetch (none: an empty list)."""
         return []
 
     def wait_for_work(self, order: list[Tier]) -> bool:

@@ -29,7 +29,7 @@ from celery import current_app
 from celery.app.trace import build_tracer, report_internal_error
 from celery.utils.log import get_logger
 
-from ..batching import Batch, Call, batch_of, results_of, settle_through_tracer, takes_batches
+from ..batching import MAX_BATCH_BYTES, Batch, Call, batch_of, results_of, settle_through_tracer, takes_batches
 from ..tiers import Tier
 
 logger = get_logger(__name__)
@@ -47,19 +47,22 @@ class BatchRun:
     started: float = field(default_factory=time.monotonic)
     timer: Any = None  # the max_delay wait, while it lasts
     submitted: bool = False
+    bytes: int = 0  # what its calls' messages weigh (bounded by MAX_BATCH_BYTES)
 
     @property
     def room(self) -> int:
-        return self.spec.max_size - len(self.requests)
+        """How many more calls it may take: none once its messages weigh ``MAX_BATCH_BYTES``."""
+        return 0 if self.bytes >= MAX_BATCH_BYTES else self.spec.max_size - len(self.requests)
 
 
 class Batcher:
     """A worker's batches: the strategy that collects their requests, the top-ups, the pool job, the settling."""
 
-    def __init__(self, consumer: Any, hub: Any, take_more: Callable[[BatchRun, int], list[Any]]) -> None:
+    def __init__(self, consumer: Any, hub: Any, take_more: Callable[[BatchRun, int, int], list[Any]]) -> None:
         self.c = consumer
         self.hub = hub
-        self.take_more = take_more  # (batch, how many) -> messages from the task's own queue in its tier
+        # (batch, how many, bytes at most) -> messages from the task's own queue in its tier
+        self.take_more = take_more
         self.specs: dict[str, Batch] = {}  # batched task name -> its Batch (install_strategies)
         self.collecting: BatchRun | None = None  # the batch Celery's handler is adding to right now
         self.running: set[BatchRun] = set()  # each holds a slot: collecting, waiting for more, or in the pool
@@ -135,6 +138,7 @@ class Batcher:
         self.collecting = batch
         try:
             for message in messages:
+                batch.bytes += len(getattr(message, "body", b"") or b"")
                 hand(message)
         finally:
             self.collecting = None
@@ -143,7 +147,7 @@ class Batcher:
         if batch.room <= 0:
             return
         try:
-            self._collect(batch, self.take_more(batch, batch.room), hand)
+            self._collect(batch, self.take_more(batch, batch.room, MAX_BATCH_BYTES - batch.bytes), hand)
         except Exception:  # the broker is away: the batch runs with what it has
             logger.warning("celery-prio: could not top up a batch of %s", batch.task.name, exc_info=True)
 

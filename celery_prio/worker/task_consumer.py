@@ -262,13 +262,13 @@ class TierFetcher:
         self.board.refilled()
 
     # -- batches (``celery_prio.Batch``, ``batching.py``) -----------------------------------
-    def _take_more(self, batch: Any, count: int) -> list[Any]:
+    def _take_more(self, batch: Any, count: int, max_bytes: int) -> list[Any]:
         """More of a batched task's calls from its own queue in the batch's tier (one broker call)."""
         name = batch.task.name
         queue = self.settings.subqueue_name(batch.tier, self.settings.sjf_subqueue(name))
         if queue not in self.served.all_names():  # not served here (a worker of other tiers): the batch is what it is
             return []
-        return self.source.take_more(queue, batch.tier, count, name)
+        return self.source.take_more(queue, batch.tier, count, name, max_bytes)
 
     def _batch_done(self, batch: Any, failed: int) -> None:
         self.stats.observe_batch(batch.tier, len(batch.requests), failed)

@@ -128,20 +128,26 @@ class AmqpFetchSource(FetchSource):
             looked = [tq for tq in looked if rank[tq[0]] <= rank[found[0]]]
         return self._take_found(found, looked)
 
-    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[Any]:
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Any]:
         """Up to ``count`` more messages of ``task`` from ``queue`` (a batch): ``basic_get`` pipelined, one
-        round trip. One of another task (nothing routes one there, but anyone can publish) goes back."""
+        round trip per window. One of another task (nothing routes one there, but anyone can publish), or one
+        beyond ``max_bytes`` in hand, goes back with whatever rode along behind it."""
         out: list[Any] = []
-        window, stop = min(count, self._pipeline_max), False
+        window, stop, taken_bytes = min(count, self._pipeline_max), False, 0
         while len(out) < count and not stop:
             for raw in self.get_many([queue] * min(window, count - len(out))):
                 if raw is None:
                     stop = True
-                elif stop or (raw.properties.get("application_headers") or {}).get("task") != task:
+                elif (
+                    stop
+                    or (max_bytes and taken_bytes >= max_bytes)
+                    or (raw.properties.get("application_headers") or {}).get("task") != task
+                ):
                     stop = True  # it and whatever rode along behind it go back, in order
                     self.channel.basic_reject(raw.delivery_tag, requeue=True)
                 elif (message := self._to_python(raw, queue)) is not None:
                     out.append(message)
+                    taken_bytes += len(raw.body or b"")
         return out
 
     def attach_loop(self, hub: Any) -> None:

@@ -23,6 +23,7 @@ from .scripts import (
     DEAD_LETTER,
     FETCH,
     HEARTBEAT,
+    SCRIPT_BYTES,
 )
 from .transport import UNSETTLED, registered_subqueues
 
@@ -169,11 +170,21 @@ class RedisFetchSource(FetchSource):
         position, messages = hit
         return position, (messages[0] if messages else None)
 
-    def take_more(self, queue: str, tier: Tier, count: int, task: str) -> list[Any]:
-        """Up to ``count`` more messages of ``task`` from ``queue``, oldest first, in one call (a batch)."""
-        self.broker_calls += 1
-        hit = self._fetch(self.keys_for(queue)[:1], [tier], count=count, task=task, bells=False)
-        return [] if hit is None else hit[1]
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Any]:
+        """Up to ``count`` more messages of ``task`` from ``queue``, oldest first (a batch): one call, more only
+        where a call stopped at its ``SCRIPT_BYTES`` and ``max_bytes`` leaves room."""
+        out: list[Any] = []
+        taken_bytes = 0
+        while len(out) < count:
+            self.broker_calls += 1
+            hit = self._fetch(self.keys_for(queue)[:1], [tier], count=count - len(out), task=task, bells=False)
+            messages = [] if hit is None else hit[1]
+            out += messages
+            call_bytes = sum(len(m.prio_raw) for m in messages)
+            taken_bytes += call_bytes
+            if not messages or call_bytes < SCRIPT_BYTES // 2 or (max_bytes and taken_bytes >= max_bytes):
+                break  # the list ran out, or the next one is another task's: nothing more to take now
+        return out
 
     def _fetch(
         self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True

@@ -11,7 +11,8 @@
 -- token left from work another worker took would only wake an idle worker
 -- for nothing (a publish after this call rings again).
 -- A batch (``count`` > 1) takes up to ``count`` messages of one list, oldest
--- first, each recorded the same way, and stops at one of another task (``task``).
+-- first, each recorded the same way, and stops at one of another task (``task``)
+-- or before ``SCRIPT_BYTES`` of them (the caller asks again for more).
 -- KEYS: the lists in preference order, then the unacked hash, its index,
 -- the dead list, the stats hash, the owners hash and the registry's version
 -- key, then the bells of the tiers asked.
@@ -28,7 +29,7 @@ local version = redis.call('GET', KEYS[n + 6]) or ''
 local dead, dead_bytes = 0, 0
 for i = 1, n do
   local label = ARGV[4 + i]
-  local taken = {i, version}
+  local taken, taken_bytes = {i, version}, 0
   while #taken < 2 + 2 * count do
     local raw = redis.call('LINDEX', KEYS[i], -1)
     if not raw then break end
@@ -57,6 +58,8 @@ for i = 1, n do
       if task ~= '' and #taken > 2 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
         break  -- a batch holds one task's calls only
       end
+      if #taken > 2 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
+      taken_bytes = taken_bytes + #raw
       local tag = msg['properties']['delivery_tag']
       -- A restore (the worker died) returns it to the list it came from, not
       -- to whatever its own delivery_info names: that is data, not an address.
