@@ -197,3 +197,36 @@ def test_discovered_subqueues_are_served_with_their_tier():
     assert served.by_tier[B] == ["m.batch", "m.batch.acme"]
     assert served.by_tier[O] == []  # offline is not served here: neither are its sub-queues
     assert "m.batch.promoted" not in served.by_tier[B]  # a front lane is no sub-queue
+
+
+def test_on_a_solo_pool_a_refill_waits_for_the_other_callbacks_of_its_turn():
+    """Issue 34: ``-P solo`` runs a task on the event loop's thread, inside the refill. Celery queues an
+    ``acks_late`` ack on the same loop (kombu's hub runs a turn's callbacks in no set order): a refill that
+    ran inline could run the next task, however long, before the previous one's ack. On kombu's own hub."""
+    from kombu.asynchronous import Hub
+
+    settings, source, _, loop, _ = make(concurrency=1, reserve=0, min_share=0)
+    hub = Hub()
+    loop.loop, loop.cancel_timer = hub, hub.timer.cancel
+    order: list[str] = []
+
+    def run_on_this_thread(tier: Tier, task: Task) -> None:
+        order.append(f"run {task.key}")
+        loop.started(task.key, tier)
+
+    loop.deliver = run_on_this_thread
+    loop.defer_refill = True
+    backlog(settings, source, {B: (2, 0.0)})
+    loop.active = True
+    loop.pump()
+    first = order[0]
+
+    def task_ended() -> None:  # one turn: the slot frees (our refill), Celery's ack runs (its callback)
+        loop.settle(set())
+        order.append("ack")
+
+    hub.call_soon(task_ended)
+    turns = hub.create_loop()
+    for _ in range(3):
+        next(turns)
+    assert order[:3] == [first, "ack", f"run {int(first.split()[1]) + 1}"], order

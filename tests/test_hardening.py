@@ -230,3 +230,58 @@ def test_a_stale_copy_check_reads_the_slices_journal_from_the_tasks_first_publis
             conn.connection, journal_name(settings), lambda ch: declare_journal(ch, settings), lambda h: None, 10.0
         )
         assert everything >= 3001
+
+
+def test_a_busy_worker_survives_a_failover_and_its_refused_ack_runs_nothing_twice(tmp_path):
+    """A task ends while Redis refuses writes (``REPLICAOF``, as a failover does): its ack raised ``ReadOnlyError``
+    in Celery's event loop, which ended the worker. Now the consumer reconnects as for a lost connection, and
+    the ack is settled once Redis takes writes again: the task does not run twice."""
+    import redis
+
+    from celery_prio.tools.workers import free_port
+    from tests.conftest import PrioEnv
+    from tests.test_incarnation import private_redis
+
+    port, server = private_redis(tmp_path)
+    env = PrioEnv("redis", tmp_path, broker=f"redis://127.0.0.1:{port}/0")
+    admin = redis.Redis(port=port)
+    try:
+        worker = env.start_worker(concurrency=2)
+        late = env.app.tasks["t.batch_late"]  # acks_late
+        running = late.apply_async(("during", 1.5), tier="batch")
+        env.wait_for(lambda: any(x["tag"] == "during" for x in env.log()), what="the task to start")
+        admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # its end and ack fall in here
+        time.sleep(2.5)
+        assert worker.proc.poll() is None, worker.log()[-3000:]
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        assert running.get(timeout=20) == "during"
+        assert late.apply_async(("after", 0), tier="batch").get(timeout=20) == "after"
+        time.sleep(1.0)  # the refused ack is settled at the reconnect or the next fetch
+        starts = [x["tag"] for x in env.log() if x["kind"] == "start"]
+        assert starts.count("during") == 1, starts
+        assert "Unrecoverable error" not in worker.log()
+        assert admin.hlen(f"{env.prefix}.unacked") == 0
+    finally:
+        env.close()
+        server.kill()
+        server.wait(10)
+
+
+def test_a_solo_worker_acks_each_task_before_it_runs_the_next(redis_env):
+    """``-P solo`` runs tasks on the event loop's thread. Celery queues an ``acks_late`` ack on that loop, in
+    no set order with the fetch loop's refill: a task's ack could wait for the next task to end. A worker
+    killed during a long next task then ran the finished one again."""
+    env = redis_env
+    worker = env.start_worker(concurrency=1, pool="solo")
+    late = env.app.tasks["t.batch_late"]  # acks_late
+    shorts = [late.apply_async((f"short{i}", 0.01), tier="batch") for i in range(6)]
+    late.apply_async(("long", 30.0), tier="batch")
+    for r in shorts:
+        assert r.get(timeout=20).startswith("short")
+    env.wait_for(lambda: any(x["tag"] == "long" for x in env.log()), what="the long task to start")
+    time.sleep(0.5)
+    worker.kill()  # SIGKILL during the long task
+    env.start_worker(concurrency=1)
+    env.wait_for(lambda: [x["tag"] for x in env.log()].count("long") >= 2, timeout=30, what="the long task again")
+    starts = [x["tag"] for x in env.log() if x["kind"] == "start"]
+    assert all(starts.count(f"short{i}") == 1 for i in range(6)), starts

@@ -3,10 +3,13 @@ a mixed load, then a check that nothing was lost or run twice where the docs pro
 
 The load uses every path that has state on the broker: realtime's shortest-first queues, batch and
 offline tier queues with aging, tenant sub-queues filled by ``bulk``, sliced tasks (continuations),
-and boosts of queued offline tasks. Every task is ``acks_late``: a task whose worker is killed while
-it runs comes back and runs again (at-least-once, Celery's semantics), which the check tells apart
-from an unexplained second run. The broker is a private ``redis-server`` with an append-only file
-(fsync always), SIGKILLed once mid-run and started again from its file.
+boosts of queued offline tasks, chords whose header calls run as batches, and long tasks. Every task
+is ``acks_late``: a task whose worker is killed while it runs comes back and runs again (at-least-once,
+Celery's semantics), which the check tells apart from an unexplained second run. The first worker
+runs ``-P solo`` and starts first, so it holds the housekeeper lease while its long tasks block its
+event loop. The broker is a private ``redis-server`` with an append-only file (fsync always),
+SIGKILLed once mid-run and started again from its file, and later made a replica (``REPLICAOF``, as
+a failover does: every write refused with ``READONLY``) for a moment and primary again.
 
 ``celery-prio bench --only chaos`` runs it longer; ``tests/test_chaos.py`` runs a short one.
 """
@@ -45,6 +48,7 @@ class ChaosResult:
     lost: list[str] = field(default_factory=list)  # accepted, never completed
     kills: int = 0
     broker_restarts: int = 0
+    failovers: int = 0  # REPLICAOF a master that is not there, then REPLICAOF NO ONE
     boosts: int = 0
     cut_off_and_run_again: int = 0  # started again after its worker was killed mid-run, completed once
     ran_again_after_a_kill: int = 0  # a second completion a kill or the broker restart explains
@@ -65,7 +69,7 @@ class ChaosResult:
         return [
             f"accepted {sum(self.accepted.values())} ({accepted}); refused while the broker was down {self.refused}",
             f"worker SIGKILLs + restarts in place {self.kills}; broker restarts {self.broker_restarts}; "
-            f"boosts {self.boosts}",
+            f"replica-and-back failovers {self.failovers}; boosts {self.boosts}",
             f"completed {self.completed}; lost {len(self.lost)}; drained {self.drain_s:.1f} s after the chaos",
             f"cut off by a kill and run again {self.cut_off_and_run_again}; "
             f"completed twice, a kill explains it (acks_late) {self.ran_again_after_a_kill}; "
@@ -116,15 +120,17 @@ class _Fleet:
         self.procs: list[WorkerProcess] = []
         self.kills: dict[str, list[float]] = defaultdict(list)  # node name (before '@') -> kill times
         self.starts = 0
-        for name in self.names:
+        for name in self.names:  # the solo one first, alone: it takes the housekeeper lease
             self.procs.append(self._start(name, wait=True))
 
     def _start(self, name: str, wait: bool) -> WorkerProcess:
         self.starts += 1
+        solo = name == self.names[0]  # a GPU layout: one process, tasks on the event loop's thread
         proc = WorkerProcess(
             "celery_prio.tools.chaosapp",
             log_path=self.workdir / f"worker{self.starts}.log",
-            concurrency=2,
+            concurrency=1 if solo else 2,
+            pool="solo" if solo else "prefork",
             hostname=name,
             env=self.env,
         )
@@ -186,6 +192,7 @@ def run_chaos(
     result = ChaosResult()
     fleet = _Fleet(workdir, env, workers, prefix)
     restarts: list[float] = []
+    failovers: list[float] = []
     stop = threading.Event()
     broker_lock = threading.Lock()
 
@@ -205,6 +212,17 @@ def run_chaos(
                 restarted = True
                 result.broker_restarts += 1
 
+    def failover() -> None:
+        if stop.wait(duration * 3 / 4):
+            return
+        with broker_lock:
+            primary = redis.Redis(port=port)
+            primary.replicaof("127.0.0.1", free_port())  # a master that is not there: every write refused
+            failovers.append(time.time())
+            time.sleep(1.5)
+            primary.replicaof("NO", "ONE")  # primary again, its data kept
+        result.failovers += 1
+
     accepted: dict[str, str] = {}  # tag -> kind
     sliced: dict[str, tuple[Any, int]] = {}  # tag -> (result, n)
     offline: list[Any] = []
@@ -212,6 +230,8 @@ def run_chaos(
     began = time.monotonic()
     killer = threading.Thread(target=chaos, name="chaos", daemon=True)
     killer.start()
+    replica = threading.Thread(target=failover, name="failover", daemon=True)
+    replica.start()
     import celery_prio
 
     work, sliced_task = app.tasks["chaos.work"], app.tasks["chaos.sliced"]
@@ -220,7 +240,8 @@ def run_chaos(
         while time.monotonic() - began < duration:
             time.sleep(rng.expovariate(rate))
             n += 1
-            kind = rng.choices(["realtime", "batch", "offline", "bulk", "sliced", "boost"], [30, 25, 15, 10, 10, 10])[0]
+            kinds = ["realtime", "batch", "offline", "bulk", "sliced", "boost", "chord", "long"]
+            kind = rng.choices(kinds, [30, 25, 15, 10, 10, 10, 8, 4])[0]
             try:
                 if kind in ("realtime", "batch", "offline"):
                     tag = f"{kind}-{n}"
@@ -233,6 +254,12 @@ def run_chaos(
                     tags = [f"bulk-{n}-{i}" for i in range(10)]
                     celery_prio.bulk(work, [(t, 0.05) for t in tags], tier="batch", subqueue=f"tenant-{n % 3}")
                     accepted.update(dict.fromkeys(tags, "bulk"))
+                elif kind == "chord":
+                    accepted.update(dict.fromkeys(app.chaos_chord(f"chord-{n}", 4), "chord"))
+                elif kind == "long":
+                    tag = f"long-{n}"
+                    app.tasks["chaos.long"].apply_async((tag, 2.5))
+                    accepted[tag] = "long"
                 elif kind == "sliced":
                     tag = f"sliced-{n}"
                     sliced[tag] = (sliced_task.apply_async((tag, 10, 0.05)), 10)
@@ -247,6 +274,7 @@ def run_chaos(
     finally:
         stop.set()
         killer.join(30)
+        replica.join(30)
     result.accepted = Counter(accepted.values())
     key = f"{prefix}:chaos"
 
@@ -281,6 +309,8 @@ def run_chaos(
         nodes = {e["worker"].split("@")[0] for e in by_tag[tag]}
         explained = any(window[0] <= t <= window[1] for node in nodes for t in fleet.kills.get(node, []))
         explained = explained or any(window[0] - 1 <= t <= window[1] for t in restarts)
+        # Writes refused for a moment (the failover): an ack lost then brings the message back.
+        explained = explained or any(window[0] - 1 <= t <= window[1] + 1.5 for t in failovers)
         if explained:
             result.ran_again_after_a_kill += 1
         else:

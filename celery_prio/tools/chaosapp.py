@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, chord, signals
 
 import celery_prio
 
@@ -43,6 +43,42 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
         record("end", tag, self.request)
         return tag
 
+    @app.task(shared=False, name="chaos.long", bind=True, tier="offline")
+    def long(self, tag: str, seconds: float) -> str:
+        """A long task: on a ``-P solo`` worker it blocks the event loop (and so the housekeeper lease) meanwhile."""
+        record("start", tag, self.request)
+        time.sleep(seconds)
+        record("end", tag, self.request)
+        return tag
+
+    @app.task(
+        shared=False, name="chaos.batched", tier="realtime", batch=celery_prio.Batch(max_size=8, max_delay=0.01)
+    )  # fmt: skip
+    def batched(calls: list) -> list:
+        """A chord's header calls, run in batches (the batched path under kills and the broker's faults)."""
+        node = _Node(os.environ.get(NODE_ENV, ""))
+        for call in calls:
+            record("start", call.args[0], node)
+        time.sleep(0.05)
+        for call in calls:
+            record("end", call.args[0], node)
+        return [call.args[0] for call in calls]
+
+    @app.task(shared=False, name="chaos.join", bind=True, tier="batch")
+    def join(self, parts: list, tag: str) -> int:
+        """A chord's body."""
+        record("start", tag, self.request)
+        record("end", tag, self.request)
+        return len(parts)
+
+    def chord_of_batched(tag: str, size: int) -> list[str]:
+        """Publish a chord of ``size`` batched calls and a body; the tags the run waits to see end."""
+        parts = [f"{tag}-{i}" for i in range(size)]
+        chord([batched.s(p) for p in parts])(join.s(tag))
+        return [*parts, tag]
+
+    app.chaos_chord = chord_of_batched  # type: ignore[attr-defined]
+
     @app.task(shared=False, name="chaos.sliced", bind=True, tier="batch")
     def sliced(self, tag: str, n: int, seconds: float, start: int = 0, done: list | None = None) -> list[int]:
         done = [] if done is None else done
@@ -55,6 +91,20 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
         return done
 
     return app
+
+
+#: The worker's node name, for pool processes (a batched task's function runs outside any request).
+NODE_ENV = "CHAOS_NODE"
+
+
+class _Node:
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+
+
+@signals.celeryd_init.connect(weak=False)
+def _remember_node(sender: Any = None, **_: Any) -> None:
+    os.environ[NODE_ENV] = str(sender or "")  # before the pool forks: its processes inherit it
 
 
 def _from_env() -> Celery:

@@ -57,6 +57,10 @@ class FetchLoop:
         self.clock = clock
         self.poll_interval = poll_interval
         self.reraise = reraise  # connection errors: the consumer reconnects and builds a new loop
+        # Set where tasks run on the loop's own thread (``-P solo``): a refill waits for the end of the turn, so
+        # that the acks Celery queued on it (``call_soon``, run in no set order) go before the next task runs.
+        self.defer_refill = False
+        self._refill_pending = False
         # The tier's time among its queues (``ServedQueues``: dispatched/finished/empty per queue), if any.
         self.lanes = lanes
         self.deliver: Callable[[Tier, Any], None] | None = None
@@ -184,4 +188,12 @@ class FetchLoop:
                 self.on_settled(s)
         if self.active:
             self._backoff = self.poll_interval * MIN_BACKOFF_FRACTION
-            self.pump()
+            if not self.defer_refill:
+                self.pump()
+            elif not self._refill_pending:  # a timer due now fires after every callback of this turn
+                self._refill_pending = True
+                self.loop.call_later(0, self._refill)
+
+    def _refill(self) -> None:
+        self._refill_pending = False
+        self.pump()

@@ -94,6 +94,7 @@ class TierFetcher:
             reraise=tuple(consumer.connection_errors),
             lanes=self.served,
         )
+        self.loop.defer_refill = type(consumer.pool).__module__ == "celery.concurrency.solo"  # tasks on this thread
         if settings.trace_file is not None:
             from .trace import TraceRecorder
 

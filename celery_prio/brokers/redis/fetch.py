@@ -164,6 +164,8 @@ class RedisFetchSource(FetchSource):
         ``(index, None)`` means elements were dead-lettered and nothing is
         delivered yet: ask again. ``tiers[i]`` is the tier of ``keys[i]``.
         """
+        if UNSETTLED:  # an ack refused a moment ago (a failover, no reconnect since): settled first
+            self.settle_unsettled()
         hit = self._fetch(keys, tiers)
         if hit is None:
             return None
@@ -292,7 +294,8 @@ class RedisFetchSource(FetchSource):
         pipe.execute()
 
     def settle_unsettled(self) -> None:
-        """Acks and rejects that failed while Redis was unreachable: done, so forgotten now, not returned."""
+        """Acks and rejects that failed while Redis was unreachable or refused writes: done, so forgotten now,
+        not returned."""
         if not UNSETTLED:
             return
         client, settled = self.channel.client, set(UNSETTLED)
@@ -302,7 +305,7 @@ class RedisFetchSource(FetchSource):
             pipe.hdel(self.settings.owners_key, tag)
         pipe.execute()
         UNSETTLED.difference_update(settled)
-        logger.info("celery-prio: settled %d message(s) whose ack failed while Redis was unreachable", len(settled))
+        logger.info("celery-prio: settled %d message(s) whose ack failed while Redis could not take it", len(settled))
 
     def fleet_serving(self) -> dict[Tier, int] | None:
         try:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
+from redis import exceptions as redis_exceptions
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -28,7 +29,20 @@ logger = logging.getLogger(__name__)
 pending_marker = threading.local()
 
 
-#: Delivery tags this process settled (acked, or rejected without requeue) while Redis was unreachable:
+#: Replies a Redis server gives while it changes role or briefly cannot write: a failover's ``REPLICAOF``
+#: (``READONLY``), a replica without its master (``MASTERDOWN``), ``OOM`` under ``noeviction``, ``TRYAGAIN``.
+#: Counted as connection errors, so that Celery restarts the consumer and reconnects (with its retry and
+#: backoff) as for a lost connection, instead of ending the worker ("Unrecoverable error"); an ack they
+#: refuse is logged, and its message comes back after ``prio_redeliver_after`` (at least once, as Celery's).
+TRANSIENT_REPLIES: tuple[type[Exception], ...] = tuple(
+    getattr(redis_exceptions, name)
+    for name in ("ReadOnlyError", "MasterDownError", "OutOfMemoryError", "TryAgainError")
+    if hasattr(redis_exceptions, name)  # redis-py 5.0 has not all of them
+)
+
+
+#: Delivery tags this process settled (acked, or rejected without requeue) while Redis was unreachable, or
+#: refused writes for a moment (``TRANSIENT_REPLIES``, below: a failover):
 #: the message is done, but its unacked entry and owner record are still in Redis. Settled on the new
 #: connection after the reconnect (``RedisFetchSource.recover_own``), so it is never returned and run again.
 UNSETTLED: set[str] = set()
@@ -53,7 +67,7 @@ class QoS(kombu_redis.QoS):
     def ack(self, delivery_tag):
         try:
             self._remove_from_indices(delivery_tag).execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, *TRANSIENT_REPLIES) as exc:
             self._settle_later(delivery_tag, "ack", exc)
         kombu_redis.virtual.QoS.ack(self, delivery_tag)  # this process's own bookkeeping, either way
 
@@ -62,7 +76,7 @@ class QoS(kombu_redis.QoS):
             return super().reject(delivery_tag, requeue=True)
         try:
             self._remove_from_indices(delivery_tag).execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, *TRANSIENT_REPLIES) as exc:
             self._settle_later(delivery_tag, "reject", exc)
         kombu_redis.virtual.QoS.ack(self, delivery_tag)
 
@@ -262,6 +276,7 @@ def drain_rate(client: Any, stats_key: str, tier: str) -> float:
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    connection_errors = (*kombu_redis.Transport.connection_errors, *TRANSIENT_REPLIES)
 
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
@@ -270,3 +285,4 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
 
 class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
+    connection_errors = (*kombu_redis.SentinelTransport.connection_errors, *TRANSIENT_REPLIES)
