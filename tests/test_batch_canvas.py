@@ -154,3 +154,13 @@ def test_a_batch_of_large_calls_stops_at_its_byte_budget(env):
     assert [r.get(timeout=60) for r in results] == [len(big)] * 12
     sizes = [int(size) for size in tags(env, "batch")]
     assert sum(sizes) == 12 and max(sizes) <= 8, sizes
+
+
+def test_a_batched_call_with_a_countdown_runs_at_its_time_as_a_batch_of_one(env):
+    """Callers unchanged in every state: a call with an ETA is not batched (Celery holds it until its time)."""
+    env.start_worker(concurrency=2)
+    double = env.app.tasks["t.batch_double"]
+    t0 = time.monotonic()
+    assert double.apply_async((21,), countdown=1.0).get(timeout=30) == 42
+    assert time.monotonic() - t0 >= 0.9
+    assert tags(env, "batch") == ["1"]
