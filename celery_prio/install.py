@@ -33,6 +33,7 @@ from .runtime import Prio, bind, runtime_of
 from .settings import DEFAULTS, PrioSettings, load_settings
 from .tiers import TIERS
 from .worker import control  # noqa: F401 - registers `celery inspect prio_stats` and `prio_supersede`
+from .worker.gpus import add_worker_option
 from .worker.slice_board import board
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     publishing.remember_publishes(settings)  # after the stamp: what a boost republishes carries it
     app.on_after_finalize.connect(_on_finalize, weak=False)
     signals.celeryd_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_prio.worker_init")
+    add_worker_option(app)  # --prio-gpus: GPU-pinned pool processes (worker/gpus.py)
     return settings
 
 

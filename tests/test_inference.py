@@ -265,20 +265,23 @@ def test_http_429_when_the_realtime_tier_is_full(tmp_path):
 
 
 def test_gpu_pinning_round_robin(monkeypatch):
-    from celery_prio.example.gpu import parse_gpus, pin_this_process
+    from celery_prio.errors import ConfigError
+    from celery_prio.worker.gpus import PINNED_ENV, parse_gpus, pin_this_process
 
     monkeypatch.setenv("CELERY_PRIO_GPUS", "0,1")
     pinned = []
     for index in range(1, 5):  # pool children 1..4, each in a fresh process environment
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # --gpus counts inside this list
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")  # --prio-gpus counts inside this list
+        monkeypatch.delenv(PINNED_ENV, raising=False)
         pinned.append((pin_this_process(index), os.environ["CUDA_VISIBLE_DEVICES"]))
     assert pinned == [("5", "5"), ("4", "4"), ("5", "5"), ("4", "4")]
+    assert pin_this_process(2) == "4"  # pinned once per process: a second call changes nothing
     monkeypatch.delenv("CELERY_PRIO_GPUS")
+    monkeypatch.delenv(PINNED_ENV)
     assert pin_this_process(0) is None
-    import click
-
-    with pytest.raises(click.BadParameter, match="--gpus takes GPU numbers"):
+    with pytest.raises(ConfigError, match="--prio-gpus, prio_gpus and CELERY_PRIO_GPUS take GPU numbers"):
         parse_gpus("0,a")
+    assert parse_gpus([0, 1]) == ["0", "1"] and parse_gpus(None) == []
 
 
 def _first_request_ms(env: TasksEnv) -> float:

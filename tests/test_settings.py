@@ -83,6 +83,8 @@ def test_per_tier_dicts_accept_aliases_and_merge_over_defaults():
         ({"realtime_target": 0}, r"prio_realtime_target must be a number > 0"),
         ({"realtime_target": "fast"}, r"prio_realtime_target must be a number > 0"),
         ({"poll_interval": 0}, r"prio_poll_interval must be a number > 0"),
+        ({"gpus": "0,one"}, r"prio_gpus and CELERY_PRIO_GPUS take GPU numbers like 0,1; got '0,one'"),
+        ({"gpus": {"realtime": 0}}, r"prio_gpus and CELERY_PRIO_GPUS take GPU numbers like 0,1"),
         ({"management_url": "http://m1:15672;m2:15672"}, r"several, ';'-separated"),
         ({"wieghts": {}}, r"unknown celery-prio setting 'wieghts'; did you mean 'prio_weights'\?"),
     ],

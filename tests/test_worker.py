@@ -230,3 +230,25 @@ def test_a_worker_refuses_to_start_with_a_task_of_an_unknown_tier(redis_env):
     worker = redis_env.start_worker(concurrency=1, wait=False, env_extra={"PRIO_TEST_BOGUS_TIER": "1"})
     assert worker.proc.wait(60) != 0
     assert "task 't.bogus': unknown tier 'nope'; valid tiers: realtime|batch|offline" in worker.log()
+
+
+def test_a_worker_pins_each_pool_process_to_one_gpu_with_prio_gpus(redis_env):
+    """Issue 38: GPU pinning is the library's. ``--prio-gpus 0,1`` on any app that called install(): each pool
+    process narrows CUDA_VISIBLE_DEVICES to one GPU, round robin, and ``inspect stats`` shows it."""
+    env = redis_env
+    env.start_worker(concurrency=3, extra_args=["--prio-gpus", "0,1"])
+    env.wait_for(lambda: len(_devices(env)) == 3, what="three pool processes to record their GPU")
+    devices = _devices(env)
+    assert sorted(d["cuda_visible_devices"] for d in devices.values()) == ["0", "0", "1"]  # indexes 0, 1, 2
+    assert sorted(d["pool_index"] for d in devices.values()) == [0, 1, 2]
+
+
+def _devices(env) -> dict:
+    stats = env.app.control.inspect(timeout=2).stats() or {}
+    return next(iter(stats.values()), {}).get("devices", {})
+
+
+def test_a_bad_prio_gpus_stops_the_worker_naming_it(redis_env):
+    worker = redis_env.start_worker(concurrency=1, extra_args=["--prio-gpus", "zero"], wait=False)
+    redis_env.wait_for(lambda: worker.proc.poll() is not None, timeout=30, what="the worker to stop")
+    assert "--prio-gpus, prio_gpus and CELERY_PRIO_GPUS take GPU numbers like 0,1; got 'zero'" in worker.log()

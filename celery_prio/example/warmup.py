@@ -25,12 +25,11 @@ from typing import Any
 
 from celery import bootsteps, signals
 
-from .gpu import devices_dir, pin_this_process
+from ..worker.gpus import PARENT_ENV, devices_dir, pin_this_process, record_device
 
 logger = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT = float(os.environ.get("INFERENCE_WARMUP_TIMEOUT", "180"))
-PARENT_ENV = "CELERY_PRIO_PARENT_PID"
 READY_MARK = "warm"  # written in the records folder once the starting pool is warm
 
 
@@ -52,11 +51,7 @@ def warm_this_process() -> dict[str, Any]:
 
 
 def _write_record(record: dict[str, Any]) -> None:
-    parent = os.environ.get(PARENT_ENV)
-    if parent:
-        path = record_path(int(parent), os.getpid())
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(record))
+    record_device(**record)  # next to the GPU the library pinned this process to
 
 
 @signals.worker_process_init.connect
@@ -64,9 +59,7 @@ def _warm_pool_child(**_: Any) -> None:
     from billiard.process import current_process
 
     index = getattr(current_process(), "index", 0) or 0
-    physical = pin_this_process(index)
-    if physical is not None:
-        logger.info("celery-prio: pool process %d pinned to GPU %s", index, physical)
+    pin_this_process(index)  # the library's own handler did, unless this one ran first (idempotent)
     try:
         record = warm_this_process()
     except Exception as exc:  # recorded for the worker, which stops: never a worker that fails every task

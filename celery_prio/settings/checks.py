@@ -99,3 +99,14 @@ def caps(name: str, value: Any) -> dict[Tier, int | None]:
             raise ConfigError(f"prio_{name}[{t.label}] must be an int >= 1 or None, got {v!r}")
         caps[t] = v
     return caps
+
+
+def gpus(value: Any) -> tuple[str, ...]:
+    """``prio_gpus``: None, ``"0,1"`` or ``[0, 1]``; the GPU numbers as strings."""
+    if value is None or value == "" or value == []:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    out = tuple(str(g).strip() for g in items or () if str(g).strip())
+    if items is None or not out or not all(g.isdigit() for g in out):
+        raise ConfigError(f"--prio-gpus, prio_gpus and CELERY_PRIO_GPUS take GPU numbers like 0,1; got {value!r}")
+    return out

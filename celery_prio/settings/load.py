@@ -53,6 +53,7 @@ def _scheduling(raw: Raw, conf: Mapping[str, Any]) -> dict[str, Any]:
         "scheduler": checks.choice("scheduler", raw["scheduler"], SCHEDULER_MODES),
         "idle_share": checks.choice("idle_share", raw["idle_share"], IDLE_SHARE_RULES),
         "poll_interval": checks.number("poll_interval", raw["poll_interval"], minimum=0, inclusive=False),
+        "gpus": checks.gpus(raw["gpus"]),
     }
 
 

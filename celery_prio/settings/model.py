@@ -52,6 +52,7 @@ class PrioSettings(QueueNames):
     scheduler: str
     idle_share: str
     poll_interval: float
+    gpus: tuple[str, ...]
     aging_interval: float
     metrics_port: int | None
     metrics_host: str

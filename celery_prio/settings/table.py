@@ -237,6 +237,14 @@ SETTINGS: tuple[Setting, ...] = (
         'where an idle worker cannot block on the broker (RabbitMQ quorum queues, `prio_fetch = "consume"`\'s '
         "sub-queues): the longest pause between fetch attempts while every tier is empty",
     ),
+    Setting(
+        "gpus",
+        None,
+        SCHEDULING,
+        'GPUs for each worker\'s pool processes, e.g. `"0,1"`: one per process, round robin, pinned before CUDA '
+        "starts (the worker's `--prio-gpus` option and `CELERY_PRIO_GPUS` say the same per worker; "
+        "[Workers on GPUs](../guides/gpus.md))",
+    ),
     Setting("aging_interval", 1.0, AGING, "seconds between aging passes (Redis)"),
     Setting("metrics_port", None, OBSERVABILITY, "serve Prometheus `/metrics` from each worker on this port"),
     Setting("metrics_host", "127.0.0.1", OBSERVABILITY, "address for `/metrics` (`0.0.0.0` in containers)"),
