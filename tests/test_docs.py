@@ -48,6 +48,23 @@ def test_the_settings_reference_is_generated_from_the_table():
     )
 
 
+def test_the_metrics_reference_is_generated_from_the_collectors():
+    from celery_prio.ops.metrics_reference import markdown as metrics_markdown
+
+    assert (ROOT / "docs" / "reference" / "metrics.md").read_text() == metrics_markdown(), (
+        "docs/reference/metrics.md is out of date: "
+        "python -m celery_prio.ops.metrics_reference docs/reference/metrics.md"
+    )
+
+
+def test_the_cli_reference_is_generated_from_the_commands():
+    from celery_prio.ops.cli_reference import markdown as cli_markdown
+
+    assert (ROOT / "docs" / "reference" / "cli.md").read_text() == cli_markdown(), (
+        "docs/reference/cli.md is out of date: python -m celery_prio.ops.cli_reference docs/reference/cli.md"
+    )
+
+
 def _reference_rows() -> dict[str, str]:
     rows = {}
     for line in REFERENCE.read_text().splitlines():

@@ -200,6 +200,7 @@ def dead():
 @click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def dead_list(ctx, limit: int, as_json: bool):
+    """The dead letters, oldest first: id, task, the queue it came from, why, and when."""
     _, settings, adapter = _context(ctx)
     try:
         entries = adapter.dead_list(settings, limit)
@@ -218,6 +219,7 @@ def dead_list(ctx, limit: int, as_json: bool):
 @click.option("--limit", cls=CeleryOption, type=int, default=None, help="Requeue at most N.")
 @click.pass_context
 def dead_requeue(ctx, limit: int | None):
+    """Put dead letters back on the queues they came from, oldest first (after the cause is fixed)."""
     _, settings, adapter = _context(ctx)
     try:
         moved, left, skipped = adapter.dead_requeue(settings, limit)
@@ -235,6 +237,7 @@ def dead_requeue(ctx, limit: int | None):
 @click.option("-f", "--force", cls=CeleryOption, is_flag=True, help="Do not ask.")
 @click.pass_context
 def dead_purge(ctx, force: bool):
+    """Delete every dead letter (asks first, unless --force)."""
     _, settings, adapter = _context(ctx)
     try:
         if not force:

@@ -8,10 +8,9 @@ so the reference always shows the code's names, defaults and meanings.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 from ..settings.table import GROUPS, SETTINGS, Setting
+from .reference_page import table_section, write_page
 
 INTRO = """# Settings reference
 
@@ -43,21 +42,13 @@ def shown_default(setting: Setting) -> str:
 def markdown() -> str:
     out = [INTRO]
     for group in GROUPS:
-        rows = [s for s in SETTINGS if s.group == group]
-        out += [f"## {group}", "", "| setting | default | meaning |", "|---|---|---|"]
-        out += [f"| `prio_{s.name}` | {shown_default(s)} | {s.doc} |" for s in rows]
-        out.append("")
+        rows = [f"| `prio_{s.name}` | {shown_default(s)} | {s.doc} |" for s in SETTINGS if s.group == group]
+        out += table_section(group, ["setting", "default", "meaning"], rows)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    text = markdown()
-    if args:
-        Path(args[0]).write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return write_page(markdown, argv)
 
 
 if __name__ == "__main__":
