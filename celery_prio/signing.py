@@ -57,6 +57,12 @@ def boost_key(broker_url: Any, queue_prefix: str, explicit: str | None) -> bytes
     return hashlib.sha256(material.encode()).digest()
 
 
+def app_boost_key(app: Any, settings: Any) -> bytes | None:
+    """``boost_key`` of an installed app: its write (else its) broker URL, its prefix, its ``prio_boost_key``."""
+    url = app.conf.broker_write_url or app.conf.broker_url or ""
+    return boost_key(url, settings.queue_prefix, settings.boost_key)
+
+
 def sign(key: bytes, *parts: Any) -> str:
     """The signature of ``parts`` (JSON-encodable values) under ``key``."""
     return hmac.new(key, json.dumps(list(parts)).encode(), hashlib.sha256).hexdigest()
@@ -67,4 +73,4 @@ def verified(key: bytes | None, signature: Any, *parts: Any) -> bool:
     return key is not None and isinstance(signature, str) and hmac.compare_digest(signature, sign(key, *parts))
 
 
-__all__ = ["NO_KEY", "WELL_KNOWN_PASSWORDS", "boost_key", "sign", "verified"]
+__all__ = ["NO_KEY", "WELL_KNOWN_PASSWORDS", "app_boost_key", "boost_key", "sign", "verified"]

@@ -53,11 +53,10 @@ def _named_subqueue(app: Celery, settings: PrioSettings, publishing: Publisher, 
     with>``) goes to that sub-queue as declared, not to a queue of that name Celery would make with no
     arguments (which RabbitMQ refuses: ``PRECONDITION_FAILED - inequivalent arg 'x-max-length'``)."""
     queue = options.get("queue")
-    if isinstance(queue, str) and settings.is_subqueue(queue):
-        tier = settings.tier_for_queue(queue)
-        sub = settings.subqueue_of(queue, tier) if tier is not None else None
-        if tier is not None and sub is not None:
-            options["queue"] = publishing.subqueue(app, settings, tier, sub)
+    tier = settings.tier_for_queue(queue) if isinstance(queue, str) else None
+    sub = settings.subqueue_of(queue, tier) if tier is not None else None
+    if sub is not None:
+        options["queue"] = publishing.subqueue(app, settings, tier, sub)
 
 
 def _refused(

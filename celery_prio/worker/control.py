@@ -15,8 +15,9 @@ from celery.worker.control import control_command, inspect_command
 
 from ..policy.superseded import superseded
 from ..runtime import runtime_of
-from ..signing import NO_KEY, boost_key, sign, verified
+from ..signing import NO_KEY, app_boost_key, sign, verified
 from .held_requests import waiting_requests
+from .unserved import EveryMinute
 
 logger = get_logger(__name__)
 
@@ -71,8 +72,7 @@ def prio_supersede(
     if settings is None:
         return {"error": "this worker does not run celery-prio"}
     prefix = settings.queue_prefix
-    url = state.app.conf.broker_write_url or state.app.conf.broker_url
-    key = boost_key(url, prefix, settings.boost_key)
+    key = app_boost_key(state.app, settings)
     action = "retract" if retract else "commit" if commit else "pending"
     if not verified(key, sig, "supersede", task_id, generation, action):
         _refused_supersede(key is None)
@@ -91,14 +91,12 @@ def prio_supersede(
     return {"prefix": prefix, "held": held, "sig": sign(key, "answer", task_id, generation, held)}
 
 
-_last_refusal_log = [0.0]
+#: A forged or misconfigured broadcast is said at most once a minute.
+_refusals_said = EveryMinute()
 
 
 def _refused_supersede(no_key: bool) -> None:
-    """Say so, at most once a minute: a forged or misconfigured broadcast is not obeyed."""
-    now = time.monotonic()
-    if now - _last_refusal_log[0] >= 60:
-        _last_refusal_log[0] = now
+    if _refusals_said.due(time.monotonic(), True):
         logger.warning(
             "celery-prio: ignored a prio_supersede broadcast: %s",
             NO_KEY

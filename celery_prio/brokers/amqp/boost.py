@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ import amqp
 from ...headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER
 from ...policy.superseded import PENDING_FOR
 from ...settings import PrioSettings
-from ...signing import NO_KEY, boost_key, sign, verified
+from ...signing import NO_KEY, app_boost_key, sign, verified
 from ...tiers import Tier
 from ..base import Boost, Booster
 from ..shared import boost_lane, tier_full
@@ -67,12 +68,6 @@ logger = logging.getLogger(__name__)
 JOURNAL_MAX_AGE = "24h"
 #: Seconds a starting worker waits for the journal's next record (it reads to the end, however long).
 JOURNAL_READ_TIMEOUT = 10.0
-
-
-def journal_key(app: Any, settings: PrioSettings) -> bytes | None:
-    """The key boost records, broadcasts and answers are signed with (None: boosts are refused, ``NO_KEY``)."""
-    url = app.conf.broker_write_url or app.conf.broker_url or ""
-    return boost_key(url, settings.queue_prefix, settings.boost_key)
 
 
 def journal_name(settings: PrioSettings) -> str:
@@ -184,22 +179,25 @@ class _AllAnswered(Exception):
 
 
 class AmqpBooster(Booster):
-    def __init__(self) -> None:
+    def __init__(self, waiting: Callable[[Any, PrioSettings, Tier], int]) -> None:
         self._lock = threading.Lock()  # one boost at a time: concurrent boosts of one id publish one copy
+        # Messages waiting in a tier (its queue, front lane and sub-queues): what a boost into it counts against
+        # the tier's cap (``AmqpContinuations.waiting``, which sliced tasks ask too).
+        self.waiting = waiting
 
     def lift(self, app: Any, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
         published = recent_publishes.get(task_id)
         if published is None:
             return None
         lane = boost_lane(settings, tier)
-        key = journal_key(app, settings)
+        key = app_boost_key(app, settings)  # records, broadcasts and answers (None: boosts are refused)
         if key is None:
             return Boost("refused", task_id, tier, published.tier, detail=NO_KEY)
         with self._lock, app.connection_for_write() as conn:
             if published.tier <= tier:
                 return Boost("already", task_id, tier, published.tier, detail="published or boosted at this tier")
             cap = settings.max_length[tier]
-            if cap is not None and tier_depth(conn.connection, waiting_in(app, settings, tier, lane)) >= cap:
+            if cap is not None and self.waiting(app, settings, tier) >= cap:
                 return Boost("refused", task_id, tier, published.tier, detail=tier_full(tier, cap))
             generation = published.generation + 1
             channel = conn.channel()
@@ -313,25 +311,6 @@ def write_journal(channel: Any, settings: PrioSettings, key: bytes, task_id: str
     channel.basic_publish_confirm(
         amqp.Message(b"", application_headers=record, delivery_mode=2), exchange="", routing_key=journal_name(settings)
     )
-
-
-#: Shortest-first queues counted against a tier's cap when a boost enters it (one passive declare each).
-MAX_COUNTED_TASK_QUEUES = 64
-
-
-def waiting_in(app: Any, settings: PrioSettings, tier: Tier, lane: str) -> list[str]:
-    """The queues counted against ``tier``'s cap when a boost enters it: its queue, its front lane and, in
-    realtime, the shortest-first queues of the app's own tasks (at most ``MAX_COUNTED_TASK_QUEUES``)."""
-    names = [settings.queue_name(tier), lane]
-    if tier is Tier.REALTIME:
-        tasks = [name for name in app.tasks if not name.startswith("celery.")]
-        names += [settings.sjf_queue(name) for name in tasks[:MAX_COUNTED_TASK_QUEUES]]
-    return names
-
-
-def tier_depth(connection: Any, queues: list[str]) -> int:
-    """Messages ready in ``queues`` now (one passive declare each, on a channel of their own)."""
-    return sum(int(ok.message_count) for ok in passive_declares(connection, queues) if ok)
 
 
 def fleet_size(channel: Any, settings: PrioSettings) -> int:

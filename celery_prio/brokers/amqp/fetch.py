@@ -317,8 +317,8 @@ class AmqpFetchSource(FetchSource):
         return name in self.follower.tasks
 
     def join_fleet(self) -> list[list[Any]]:
-        from ...signing import NO_KEY
-        from .boost import join_fleet, journal_key, read_journal
+        from ...signing import NO_KEY, app_boost_key
+        from .boost import join_fleet, read_journal
 
         # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
         self._restart_follower()
@@ -335,7 +335,7 @@ class AmqpFetchSource(FetchSource):
             logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
             return []
         records: list[list[Any]] = []
-        key = journal_key(self.app, self.settings)
+        key = app_boost_key(self.app, self.settings)
         if key is None:  # no boost can be written, nor obeyed: nothing to read
             logger.info("celery-prio: %s, but %s; this worker ignores prio_supersede", FLEET_JOINED, NO_KEY)
             return records

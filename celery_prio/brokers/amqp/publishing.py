@@ -49,7 +49,7 @@ class AmqpPublisher(Publisher):
     def booster(self) -> Any:
         from .boost import AmqpBooster
 
-        return AmqpBooster()
+        return AmqpBooster(self.continuations.waiting)
 
     def remember_publishes(self, settings: PrioSettings) -> None:
         """Keep this process's recent batch/offline messages: what a boost here republishes."""
