@@ -41,7 +41,12 @@ MAX_BATCH_BYTES = 64 * 1024 * 1024
 @dataclass(frozen=True)
 class Batch:
     """How a task's calls are batched: at most ``max_size`` per run, waiting at most ``max_delay`` seconds
-    beyond a free slot for the batch to fill."""
+    beyond a free slot for the batch to fill.
+
+    Limits: ``max_size`` is a whole number from 1 to ``MAX_BATCH`` (10,000); ``max_delay`` is seconds from 0 to
+    ``MAX_DELAY`` (60 s). One run also takes at most ``MAX_BATCH_BYTES`` (64 MiB) of message bodies: calls beyond it
+    wait for the next run. Anything else raises ``ValueError`` naming the argument.
+    """
 
     max_size: int = 32
     max_delay: float = 0.005

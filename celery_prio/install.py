@@ -61,7 +61,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     (``install(app, weights={"realtime": 8, ...}, aging={"offline": 600})``).
     They are validated here and written back into ``app.conf`` so that worker
     processes, which import the same app, see the same values. Configuration
-    the app sets afterwards does not undo this (see :func:`ensure_installed`).
+    the app sets afterwards does not undo this (see ``ensure_installed``).
     """
     settings = load_settings(app.conf, overrides)
     publishing = publisher_for(app)

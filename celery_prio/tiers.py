@@ -22,6 +22,7 @@ class Tier(enum.IntEnum):
 
 
 TIERS: tuple[Tier, ...] = (Tier.REALTIME, Tier.BATCH, Tier.OFFLINE)
+"""Every tier, most urgent first: realtime (P0), batch (P1), offline (P2)."""
 
 _ALIASES: dict[object, Tier] = {}
 for _tier in TIERS:

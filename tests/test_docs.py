@@ -4,11 +4,12 @@ The README opens with the two commands (the second is what ``.ci/run``
 runs) and stays short; the settings reference is exactly what the settings
 table generates; every page is in the site's navigation and every link
 between pages points at a page that exists; the site builds with
-``mkdocs build --strict``.
+``mkdocs build --strict``, with an API page that renders every export's docstring.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+import celery_prio
 from celery_prio.ops.settings_reference import markdown
 from celery_prio.settings import DEFAULTS, documented_settings
 
@@ -123,3 +125,19 @@ def test_the_site_builds_strict(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "reference" / "settings" / "index.html").is_file()
+    # The API page is rendered from the docstrings by mkdocstrings: every exported name gets its own entry
+    # (an anchor with its name and a docstring), so a new export without one fails here.
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    missing = [name for name in celery_prio.__all__ if f'id="celery_prio.{_defined_in(name)}.{name}"' not in api]
+    assert missing == [], f"not on the API page: {missing}"
+    text = re.sub(r"<[^>]+>", "", api)
+    assert not re.search(r":(func|class|meth|data|attr):", text), "a Sphinx role the API page shows raw"
+    for name in celery_prio.__all__:
+        doc = inspect.getdoc(getattr(celery_prio, name)) if name != "TIERS" else "TIERS"
+        assert doc and "Built-in" not in doc, f"celery_prio.{name} has no docstring of its own"
+
+
+def _defined_in(name: str) -> str:
+    obj = getattr(celery_prio, name)
+    module = "celery_prio.tiers" if name == "TIERS" else obj.__module__
+    return module.removeprefix("celery_prio.")

@@ -9,6 +9,7 @@ import pytest
 from celery import chord
 
 from celery_prio.tiers import Tier
+from celery_prio.worker.control import collect_prio_stats
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -241,6 +242,10 @@ def test_a_worker_pins_each_pool_process_to_one_gpu_with_prio_gpus(redis_env):
     devices = _devices(env)
     assert sorted(d["cuda_visible_devices"] for d in devices.values()) == ["0", "0", "1"]  # indexes 0, 1, 2
     assert sorted(d["pool_index"] for d in devices.values()) == [0, 1, 2]
+    # The worker's GPUs in its prio_stats and in ``prio status``, the operator's view of the fleet.
+    (name, stats), *_ = collect_prio_stats(env.app, timeout=2).items()
+    assert stats["gpus"] == ["0", "1"]
+    assert f"GPUS {name}: 0,1 (one per pool process, in turn)" in env.prio_cli("status")
 
 
 def _devices(env) -> dict:

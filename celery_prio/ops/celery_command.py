@@ -91,6 +91,8 @@ def status(ctx, as_json: bool, watch: float | None):
                     f"dead letters ({settings.dead_letter_queue}): {data['dead']}; "
                     f"workers: {', '.join(data['workers']) or 'none answered'}"
                 )
+                for worker, gpus in data["worker_gpus"].items():
+                    click.echo(f"GPUS {worker}: {','.join(gpus)} (one per pool process, in turn)")
             if not watch:
                 break
             time.sleep(watch)

@@ -70,6 +70,7 @@ def cluster_status(app, settings, adapter) -> dict:
         "discovery_problems": {name: r.discovery_problem for name, r in reports.items() if r.discovery_problem},
         "dead": adapter.depth(settings.dead_letter_queue),
         "workers": sorted(reports),
+        "worker_gpus": {name: r.gpus for name, r in sorted(reports.items()) if r.gpus},
     }
 
 

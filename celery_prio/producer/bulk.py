@@ -98,7 +98,7 @@ def bulk(
     """Publish ``task(*args)`` for every ``args`` of ``args_iterable`` into ``tier``, ``chunk`` at a time.
 
     Returns the task ids in input order. When the tier's cap refuses part of
-    a chunk (``reject``), raises :class:`BulkQueueFull` (a ``QueueFull``)
+    a chunk (``reject``), raises ``BulkQueueFull`` (a ``QueueFull``)
     whose ``accepted`` lists exactly the ids that were enqueued; nothing after
     the refusal is published. ``drop_oldest`` tiers take every item and
     dead-letter the oldest, as single publishes do.

@@ -16,6 +16,7 @@ from celery.worker.control import control_command, inspect_command
 from ..policy.superseded import superseded
 from ..runtime import runtime_of
 from ..signing import NO_KEY, app_boost_key, sign, verified
+from .gpus import worker_gpus
 from .held_requests import waiting_requests
 from .unserved import EveryMinute
 
@@ -29,7 +30,7 @@ def prio_stats(state: Any) -> dict[str, Any]:
     info = getattr(fetcher, "info", None)
     if info is None:
         return {"error": "this worker does not run celery-prio's consumer"}
-    return info()
+    return {**info(), "gpus": worker_gpus()}
 
 
 def collect_prio_stats(

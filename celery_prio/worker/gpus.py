@@ -45,6 +45,14 @@ def parse_gpus(value: Any) -> list[str]:
     return list(checks.gpus(value))
 
 
+def worker_gpus() -> list[str]:
+    """The GPUs this worker hands its pool processes (``--prio-gpus``); empty where it pins none."""
+    try:
+        return parse_gpus(os.environ.get(GPUS_ENV))
+    except ValueError:  # the worker refused a bad value at start; a report must not fail on it
+        return []
+
+
 def devices_dir(parent_pid: int) -> Path:
     """Where the pool processes of worker ``parent_pid`` record their GPU (and, in the example, warm-up)."""
     return Path(tempfile.gettempdir()) / f"celery-prio-devices-{parent_pid}"

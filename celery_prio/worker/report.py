@@ -99,6 +99,7 @@ class WorkerReport:
     # The dead-letter list's length, and how many the cap (prio_dead_letter_max) dropped (Redis; None elsewhere).
     dead_letters: int | None = None
     dead_dropped: int | None = None
+    gpus: list[str] = field(default_factory=list)  # the GPUs its pool processes are pinned to (--prio-gpus)
     tiers: dict[str, TierReport] = field(default_factory=dict)
     subqueues: dict[str, SubqueueReport] = field(default_factory=dict)
 
