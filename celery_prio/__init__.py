@@ -14,7 +14,7 @@ from .boost import Boost, boost, wait
 from .errors import ConfigError, QueueFull
 from .install import install
 from .producer.bulk import BulkQueueFull, BulkResult, bulk
-from .settings import settings_for
+from .runtime import settings_for
 from .slices import slices
 from .tiers import TIERS, Tier, parse_tier
 

@@ -23,6 +23,7 @@ function still receives a list: of one call.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,40 +113,29 @@ def settle_through_tracer(task_id: str, outcome: Any, traceback: Any, trace: Cal
         _SETTLED.pop(task_id, None)
 
 
-def takes_batches(task: Any) -> None:
-    """Make the task take a single call too (a direct call, eager mode, an ETA): as a batch of one.
+#: The function each batched task was written as (it takes the list of calls), by task.
+_BATCH_RUNS: weakref.WeakKeyDictionary[Any, Callable[[list[Call]], Any]] = weakref.WeakKeyDictionary()
 
-    The function the user wrote, which takes a list of calls, is kept as
-    ``task._celery_prio_batch_run`` for the worker's batches. With Celery's
-    ``autoretry_for`` the wrapper sits inside Celery's retry wrapper, so an
-    exception returned for one call of a batch retries that call. Idempotent.
-    """
-    if getattr(task, "_celery_prio_batch_run", None) is not None:
-        return
-    # Celery's autoretry wrapper calls ``task._orig_run`` when it runs: wrap that, keep the retry outside.
-    inner = "_orig_run" if getattr(task, "_orig_run", None) is not None else "run"
-    run = getattr(task, inner)
 
-    def run_one(*args: Any, **kwargs: Any) -> Any:
-        settled = _SETTLED.pop(getattr(task.request, "id", None) or "", None)
-        if settled is not None:  # a call of a worker's batch, under Celery's tracer: its outcome is known
-            outcome, traceback = settled
-            if isinstance(outcome, BaseException):
-                raise outcome.with_traceback(traceback)
-            return outcome
-        if len(args) == 1 and not kwargs and isinstance(args[0], list) and all(isinstance(c, Call) for c in args[0]):
-            return run(args[0])
-        call = Call(getattr(task.request, "id", None) or "", tuple(args), dict(kwargs))
-        (outcome,) = results_of(run, [call], task.name)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+def keep_batch_run(task: Any, run: Callable[[list[Call]], Any]) -> bool:
+    """Keep ``run`` as the function ``task`` was written as; False where one is kept already."""
+    if task in _BATCH_RUNS:
+        return False
+    _BATCH_RUNS[task] = run
+    return True
 
-    task._celery_prio_batch_run = run
-    setattr(task, inner, run_one)
-    # Celery checks a call's arguments against the function's signature, which takes the list of calls:
-    # a call's own arguments are the task's business (a bad one fails that call, in the batch).
-    task.typing = False
+
+def settled_outcome(task_id: str | None) -> tuple[Any, Any] | None:
+    """Inside Celery's tracer for one call of a worker's batch: that call's ``(outcome, traceback)``, once."""
+    return _SETTLED.pop(task_id or "", None)
+
+
+def batch_run(task: Any) -> Callable[[list[Call]], Any]:
+    """The function ``task`` was written as, which takes the list of calls (``celery_hooks.takes_batches`` kept it)."""
+    run = _BATCH_RUNS.get(task)
+    if run is None:
+        raise RuntimeError(f"task {getattr(task, 'name', task)!r} is not batched (no batch=celery_prio.Batch(...))")
+    return run
 
 
 __all__ = [
@@ -154,7 +144,9 @@ __all__ = [
     "BatchResultError",
     "Call",
     "batch_of",
+    "batch_run",
+    "keep_batch_run",
     "results_of",
     "settle_through_tracer",
-    "takes_batches",
+    "settled_outcome",
 ]

@@ -30,7 +30,7 @@ from celery.utils.log import get_logger
 
 from .brokers.base import BOOST_OUTCOMES, Boost
 from .producer.inherit import running_task_tier
-from .settings import settings_for
+from .runtime import publisher_of
 from .tiers import Tier, parse_tier
 from .worker.slice_board import blocked_waiting
 
@@ -61,14 +61,13 @@ def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
         from celery import current_app
 
         app = current_app._get_current_object()
-    publishing = getattr(app, "_celery_prio_publishing", None)
+    publishing = publisher_of(app)
     if publishing is None:
         raise RuntimeError("celery_prio.boost() needs celery_prio.install(app) first")
-    settings = settings_for(app)
     state = _state(app, task_id)
     if state in ("SUCCESS", "FAILURE", "REVOKED"):
         return Boost("finished", task_id, tier, detail=state)
-    outcome = publishing.booster.lift(app, settings, task_id, tier)
+    outcome = publishing.booster.lift(task_id, tier)
     if outcome is not None:
         return outcome
     state = _state(app, task_id)  # it may have left its queue and run while the boost looked

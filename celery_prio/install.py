@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from typing import Any
 
 from celery import Celery, signals
 from celery.utils.imports import symbol_by_name
 
-from .batching import batch_of, takes_batches
+from .batching import batch_of
 from .brokers import publisher_for
-from .celery_hooks import batched_from_the_start, count_result_waits
+from .celery_hooks import (
+    batched_from_the_start,
+    count_result_waits,
+    guard_send_task,
+    lift_canvases,
+    mask_in_inspect_conf,
+    route_groups_through_bulk,
+    takes_batches,
+)
 from .errors import ConfigError
 from .policy.routes import check_task_tiers
-from .producer.admission import guard_send_task
-from .producer.canvas import route_groups_through_bulk
-from .producer.inherit import lift_canvases
 from .producer.routing import make_router, register_tier_queues, stamp_enqueue_time
 from .runtime import Prio, bind, runtime_of
 from .settings import DEFAULTS, PrioSettings, load_settings
@@ -45,15 +49,6 @@ CELERY_DEFAULT_QUEUE = "celery"
 DEFAULT_QUEUE_KEYS = ("task_default_queue", "task_default_exchange", "task_default_routing_key")
 
 
-def _mask_in_inspect_conf(word: str) -> None:
-    """``celery inspect conf`` masks settings whose names match Celery's ``HIDDEN_SETTINGS`` (KEY, PASS,
-    SECRET ...); ``prio_management_url`` may hold credentials too, so its name joins that list."""
-    from celery.app import utils
-
-    if word not in utils.HIDDEN_SETTINGS.pattern:
-        utils.HIDDEN_SETTINGS = re.compile(f"{utils.HIDDEN_SETTINGS.pattern}|{word}", re.IGNORECASE)
-
-
 def install(app: Celery, **overrides: Any) -> PrioSettings:
     """Route tasks into tier queues and make workers schedule them by tier.
 
@@ -65,7 +60,8 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     """
     settings = load_settings(app.conf, overrides)
     publishing = publisher_for(app)
-    publishing.check(settings)
+    publishing.bind(settings)
+    publishing.check()
     _check_consumer(app.conf.worker_consumer, before_install=True)
     runtime = Prio(
         overrides=dict(overrides),
@@ -74,7 +70,7 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
         original_default_queue=app.conf.task_default_queue or CELERY_DEFAULT_QUEUE,
     )
     bind(app, runtime)
-    _mask_in_inspect_conf("MANAGEMENT_URL")
+    mask_in_inspect_conf("MANAGEMENT_URL")  # prio_management_url may hold credentials
     runtime.changes = _apply(app, runtime, first=True)
     logger.info("celery-prio: install() changed this app's configuration: %s", "; ".join(runtime.changes))
 
@@ -84,11 +80,11 @@ def install(app: Celery, **overrides: Any) -> PrioSettings:
     count_result_waits()
     batched_from_the_start()
     signals.before_task_publish.connect(stamp_enqueue_time, weak=False, dispatch_uid="celery_prio.stamp")
-    publishing.remember_publishes(settings)  # after the stamp: what a boost republishes carries it
+    publishing.remember_publishes()  # after the stamp: what a boost republishes carries it
     app.on_after_finalize.connect(_on_finalize, weak=False)
     signals.celeryd_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_prio.worker_init")
     add_worker_option(app)  # --prio-gpus: GPU-pinned pool processes (worker/gpus.py)
-    return settings
+    return runtime.settings
 
 
 def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
@@ -97,16 +93,15 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     changes: list[str] = []
     for name, value in runtime.overrides.items():
         conf[f"prio_{name.removeprefix('prio_')}"] = value
-    settings = runtime.settings = load_settings(conf, runtime.overrides)  # the config may have new prio_* keys
-    app._celery_prio_settings = settings
-    app._celery_prio_publishing = runtime.publishing
+    settings = load_settings(conf, runtime.overrides)  # the config may have new prio_* keys
+    runtime.use(settings)
     publishing = runtime.publishing
 
     # Queues: keep the user's, add the three tiers (so a plain ``celery -A app worker`` consumes them and
     # tools can list them).
     existing = list(conf.task_queues or [])
     names = {q.name for q in existing}
-    added = [q for q in publishing.queues(settings) if q.name not in names]
+    added = [q for q in publishing.queues() if q.name not in names]
     if added:
         changes.append(f"task_queues: + {', '.join(q.name for q in added)}")
     conf.task_queues = runtime.task_queues = existing + added
@@ -134,7 +129,7 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     routes = conf.task_routes
     routes = [] if routes is None else list(routes) if isinstance(routes, (list, tuple)) else [routes]
     routes = [r for r in routes if not getattr(r, "celery_prio", False)]
-    router = make_router(settings, lambda tier, sub: publishing.subqueue(app, settings, tier, sub))
+    router = make_router(settings, publishing.subqueue, runtime.routed)
     conf.task_routes = runtime.routes = [router, *routes]
     changes.append("task_routes: the tier router first" + (", then the app's own routes" if routes else ""))
 
@@ -148,14 +143,14 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     options = dict(conf.broker_transport_options or {})
     before = dict(options)
     options.setdefault("priority_steps", [0])
-    publishing.configure(app, settings, options)
+    publishing.configure(options)
     conf.broker_transport_options = runtime.transport_options = options
     added_options = sorted(k for k in options if k not in before or before[k] != options[k])
     if added_options:
         changes.append(f"broker_transport_options: + {', '.join(added_options)}")
     runtime.conf = conf
 
-    guard_send_task(app, lambda: ensure_installed(app), publishing)
+    guard_send_task(app, runtime, lambda: ensure_installed(app))
     register_tier_queues(settings)
     if not first:  # connections and routes made from the replaced values are dropped: the next use rebuilds them
         app.amqp.flush_routes()

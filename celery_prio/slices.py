@@ -29,7 +29,6 @@ stale and is acked without running.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -37,9 +36,9 @@ from typing import Any, TypeVar
 from celery.exceptions import Ignore, Reject
 from celery.utils.log import get_task_logger
 
-from .brokers.base import Continuation
+from .brokers.publishing import Continuation, Continuations
 from .headers import ENQUEUED_HEADER, PROMOTED_HEADER, SLICE_HEADER
-from .settings import settings_for
+from .runtime import publisher_of, settings_for
 from .tiers import Tier
 from .worker.slice_board import board
 
@@ -49,10 +48,6 @@ T = TypeVar("T")
 
 #: Least time between two broker checks of one sliced run (its elements may be shorter).
 BROKER_CHECK_INTERVAL = 0.02
-
-#: Test hook: the child kills its worker and itself right after publishing a
-#: continuation, before the ack (the crash window exactly-once must survive).
-CRASH_AFTER_PUBLISH_ENV = "PRIO_TEST_CRASH_AFTER_SLICE_PUBLISH"
 
 
 def slices(task: Any, iterable: Iterable[T], resume: str, carry: Mapping[str, Any] | None = None) -> Iterator[T]:
@@ -118,9 +113,9 @@ class _SliceRun:
         if enqueued_at is None:
             enqueued_at = getattr(request, ENQUEUED_HEADER, None) or headers.get(ENQUEUED_HEADER)
         since = float(enqueued_at) if isinstance(enqueued_at, (int, float)) and not isinstance(enqueued_at, bool) else 0
-        continuations = app._celery_prio_publishing.continuations
+        continuations = _continuations(app)
         try:
-            stale = continuations.stale(app, settings, request.id, generation, _is_redelivered(request), since)
+            stale = continuations.stale(request.id, generation, _is_redelivered(request), since)
         except Exception as exc:
             # Unknown whether a continuation took over: running it might run slices twice. Back to its queue.
             logger.warning("celery-prio: %s[%s]: could not check for a newer continuation (%r); given back to its "
@@ -148,7 +143,7 @@ class _SliceRun:
         app = self.task.app
         for tier in preemptors:  # highest first
             try:
-                waiting = app._celery_prio_publishing.continuations.waiting(app, settings_for(app), tier)
+                waiting = _continuations(app).waiting(tier)
             except Exception:  # the broker is unreachable now: running on is always safe
                 logger.debug("celery-prio: could not ask the broker whether %s waits", tier.label, exc_info=True)
                 return False
@@ -176,11 +171,8 @@ class _SliceRun:
         def send(producer: Any = None, **options: Any) -> None:
             signature.apply_async(producer=producer, **options)
 
-        publishing = app._celery_prio_publishing
         try:
-            publishing.continuations.publish(
-                app, settings, Continuation(request.id, generation, send, self.tier, self.enqueued_at)
-            )
+            _continuations(app).publish(Continuation(request.id, generation, send, self.tier, self.enqueued_at))
         except Exception:
             # Not yielding is always safe; yielding twice is not. If the broker
             # took the continuation after all (a reply lost), this run stops.
@@ -189,17 +181,12 @@ class _SliceRun:
                 self.started = time.monotonic()  # try again one slice later, not at every element
                 return
         logger.debug("celery-prio: %s[%s] yielded its slot at %r", self.task.name, request.id, item)
-        if os.environ.get(CRASH_AFTER_PUBLISH_ENV):
-            _crash_worker()
         raise Ignore()
 
     def _committed_anyway(self, generation: int) -> bool:
         app = self.task.app
         try:
-            return (
-                app._celery_prio_publishing.continuations.committed(app, settings_for(app), self.request.id)
-                >= generation
-            )
+            return _continuations(app).committed(self.request.id) >= generation
         except Exception:
             return False
 
@@ -240,11 +227,12 @@ def _with_arguments(task: Any, args: list, kwargs: dict, values: dict[str, Any])
     return args, kwargs
 
 
-def _crash_worker() -> None:
-    import signal
-
-    os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 __all__ = ["slices"]
+
+
+def _continuations(app: Any) -> Continuations:
+    """The app's continuations (its broker's), bound to the app by ``install()``."""
+    publishing = publisher_of(app)
+    if publishing is None:
+        raise RuntimeError("celery_prio.slices() needs celery_prio.install(app) first")
+    return publishing.continuations

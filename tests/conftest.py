@@ -266,10 +266,10 @@ __all__ = ["PrioEnv", "load_settings", "need_broker"]
 @pytest.fixture
 def redis_parts(redis_env):
     """Real Redis in this process: ``(env, settings, adapter, fetch source)`` (aging on, so stamps are read)."""
+    from celery_prio import settings_for
     from celery_prio.brokers.redis.admin import RedisAdapter
     from celery_prio.brokers.redis.fetch import RedisFetchSource
     from celery_prio.policy.served import ServedQueues
-    from celery_prio.settings import settings_for
     from celery_prio.tiers import TIERS
 
     env = redis_env

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from celery_prio import settings_for
 from celery_prio.brokers.amqp.consume import AmqpConsumeSource
 from celery_prio.errors import ConfigError
 from celery_prio.policy.served import ServedQueues
-from celery_prio.settings import load_settings, settings_for
+from celery_prio.settings import load_settings
 from celery_prio.tiers import TIERS, Tier
 from tests import test_worker
 

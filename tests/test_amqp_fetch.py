@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from celery_prio import settings_for
 from celery_prio.brokers.amqp.fetch import PROBE_FRACTION, AmqpFetchSource
 from celery_prio.policy.served import ServedQueues
-from celery_prio.settings import settings_for
 from celery_prio.tiers import TIERS, Tier
 
 pytestmark = pytest.mark.broker

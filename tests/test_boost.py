@@ -246,8 +246,8 @@ def test_rabbitmq_a_forged_journal_record_is_ignored(amqp_env):
     """Anyone on the vhost can append to the journal: a record not signed with the app's key does nothing."""
     import amqp as pyamqp
 
+    from celery_prio import settings_for
     from celery_prio.brokers.amqp.boost import declare_journal, journal_name
-    from celery_prio.settings import settings_for
 
     env = amqp_env
     settings = settings_for(env.app)

@@ -55,7 +55,7 @@ def test_a_boost_look_reads_a_bounded_number_of_bytes_and_still_finds_the_oldest
     find = client.register_script(BOOST_FIND)
     first = find(keys=[queue], args=["target", 10_000, 1, 0])
     assert int(first[0]) == 0 and 0 < int(first[2]) <= SCRIPT_BYTES // 500_000 + 1  # stopped on bytes
-    hit = RedisBooster(None).find(client, "target", [queue])
+    hit = RedisBooster(None, None).find(client, "target", [queue])
     assert hit is not None and hit[0] == queue and b"target" in hit[1]
 
 
@@ -80,5 +80,5 @@ def test_an_aging_look_reads_a_bounded_number_of_bytes_and_still_promotes_everyt
     queue = env.queue(B)
     client.lpush(queue, *[message(1.0, f"big{i}", pad="x" * 1_000_000) for i in range(20)])  # 1 MB each, aged
     assert adapter.promote_aged(s, B, time.time()) == 20  # all due, promoted in one pass ...
-    assert adapter._aging_window[queue] == 4  # ... four at a time: about SCRIPT_BYTES (4 MB) a look
+    assert adapter.aging._aging_window[queue] == 4  # ... four at a time: about SCRIPT_BYTES (4 MB) a look
     assert ids_in(client, env.queue(Tier.REALTIME) + ".promoted") == [f"big{i}" for i in range(20)]

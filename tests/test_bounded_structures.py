@@ -8,9 +8,10 @@ import json
 import socket
 import time
 
+from celery_prio import settings_for
 from celery_prio.brokers.amqp.boost import RecentPublishes, approx_size
 from celery_prio.brokers.redis.pruning import mention, prune, seen_key
-from celery_prio.settings import load_settings, settings_for
+from celery_prio.settings import load_settings
 from celery_prio.tiers import Tier
 from celery_prio.worker.control import collect_prio_stats
 

@@ -51,7 +51,7 @@ def test_bulk_into_a_drop_oldest_tier_keeps_the_newest(env):
     assert len(ids) == 150
     env.wait_for(lambda: env.adapter.depth(f"{env.prefix}.dead") == 50, timeout=10, what="50 dead letters")
     assert env.depth(O) == 100
-    from celery_prio.settings import settings_for
+    from celery_prio import settings_for
 
     dead = env.adapter.dead_list(settings_for(env.app), limit=100)
     assert sorted(d["id"] for d in dead) == sorted(ids[:50])

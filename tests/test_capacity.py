@@ -37,7 +37,7 @@ def test_drop_oldest_keeps_newest_and_dead_letters_the_evicted(env):
     ids = [sleep.apply_async((f"o{i}", 0), tier="offline").id for i in range(30)]
     env.wait_for(lambda: env.adapter.depth(f"{env.prefix}.dead") == 10, timeout=10, what="10 dead letters")
     assert env.depth(O) == 20
-    from celery_prio.settings import settings_for
+    from celery_prio import settings_for
 
     dead = env.adapter.dead_list(settings_for(env.app), limit=100)
     assert sorted(d["id"] for d in dead) == sorted(ids[:10])  # exactly the 10 oldest
@@ -88,7 +88,7 @@ def test_redis_counts_rejected_and_dropped_per_tier(redis_env):
     with pytest.raises(QueueFull):
         for i in range(3):
             env.app.tasks["t.rt_sleep"].delay(f"r{i}", 0)
-    from celery_prio.settings import settings_for
+    from celery_prio import settings_for
 
     counters = env.adapter.counters(settings_for(env.app))
     assert counters == {"rejected:realtime": 1, "dropped:offline": 1}
@@ -148,8 +148,8 @@ def test_a_garbage_drain_rate_entry_still_gives_queue_full(redis_env):
 
 
 def test_rabbitmq_refusals_share_one_management_client(amqp_env):
+    from celery_prio import settings_for
     from celery_prio.brokers.amqp.management import management_client
-    from celery_prio.settings import settings_for
 
     env = amqp_env
     env.configure(max_length={"realtime": 1})

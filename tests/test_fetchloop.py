@@ -13,7 +13,7 @@ import pytest
 
 from celery_prio.brokers.memory import Malformed, MemoryFetchSource
 from celery_prio.ops.simulate import SimLoop
-from celery_prio.policy.scheduler import TierScheduler
+from celery_prio.policy.count_scheduler import scheduler_for
 from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings
 from celery_prio.tiers import TIERS, Tier
@@ -59,12 +59,12 @@ def make(concurrency=4, **overrides):
     settings = load_settings({}, {"queue_prefix": "m", **overrides})
     served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
     source = MemoryFetchSource(served, settings)
-    scheduler = TierScheduler(
+    scheduler = scheduler_for(
+        settings.scheduler,
         weights=settings.weights,
         concurrency=concurrency,
         reserve=settings.effective_reserve(concurrency),
         min_share=settings.min_share,
-        mode=settings.scheduler,
     )
     sim = SimLoop()
     loop = FetchLoop(source, scheduler, WorkerStats(), sim, SimLoop.cancel, lambda: sim.now, settings.poll_interval)

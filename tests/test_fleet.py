@@ -10,8 +10,8 @@ import time
 import pytest
 from amqp.exceptions import NotFound
 
+from celery_prio import settings_for
 from celery_prio.brokers.redis.scripts import BELL_MAX
-from celery_prio.settings import settings_for
 from celery_prio.tiers import Tier
 from celery_prio.worker.control import collect_prio_stats
 

@@ -67,9 +67,9 @@ def test_a_sub_queue_in_use_is_introduced_again_well_inside_prune_after(redis_en
     publishers introduced it again only after 24 h, pushing meanwhile to a queue no worker asked."""
     import time as real_time
 
-    from celery_prio.brokers import base
+    from celery_prio import settings_for
+    from celery_prio.brokers import publishing
     from celery_prio.brokers.redis.pruning import prune
-    from celery_prio.settings import settings_for
 
     env = redis_env
     env.configure(prune_after=60)
@@ -84,7 +84,7 @@ def test_a_sub_queue_in_use_is_introduced_again_well_inside_prune_after(redis_en
     assert prune(client, settings, "w", now=real_time.time() + 61)["subqueues"] == 1
     assert not client.sismember(settings.subqueue_registry, queue)
     later = real_time.monotonic() + 31  # half of prio_prune_after on
-    monkeypatch.setattr(base.time, "monotonic", lambda: later)
+    monkeypatch.setattr(publishing.time, "monotonic", lambda: later)
     sleep.apply_async(("b", 0), tier="batch", subqueue="acme")
     assert client.sismember(settings.subqueue_registry, queue)
 
@@ -200,9 +200,9 @@ def test_a_stale_copy_check_reads_the_slices_journal_from_the_tasks_first_publis
     64 MB: a read that outlived its timeout failed the task)."""
     import amqp as pyamqp
 
+    from celery_prio import settings_for
     from celery_prio.brokers.amqp.continuations import declare_journal, journal_name
     from celery_prio.brokers.amqp.registry import read_to_marker
-    from celery_prio.settings import settings_for
 
     settings = settings_for(amqp_env.app)
     with amqp_env.app.connection_for_write() as conn:

@@ -159,10 +159,10 @@ def test_an_ack_that_fails_while_redis_is_down_is_settled_after_the_reconnect_no
     """A task ends while Redis is down: its ack fails. The message is done, so the ack must neither raise
     into the worker nor leave the entry to come back: after the reconnect its unacked entry and owner go,
     and nothing is returned to the queue (it would run a second time)."""
+    from celery_prio import settings_for
     from celery_prio.brokers.redis.fetch import RedisFetchSource
     from celery_prio.brokers.redis.transport import UNSETTLED
     from celery_prio.policy.served import ServedQueues
-    from celery_prio.settings import settings_for
     from celery_prio.tiers import TIERS
     from tests.conftest import PrioEnv
 

@@ -151,6 +151,47 @@ def test_no_library_module_is_over_450_lines():
     assert long == {}
 
 
-def test_the_broker_interfaces_name_their_types():
-    source = (PACKAGE / "brokers" / "base.py").read_text()
+@pytest.mark.parametrize("module", ["base.py", "publishing.py"])
+def test_the_broker_interfaces_name_their_types(module):
+    source = (PACKAGE / "brokers" / module).read_text()
     assert "Any" not in {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+
+
+def test_the_app_carries_no_attribute_of_ours():
+    """The runtime is reached through ``runtime_of(app)`` (``runtime.py``): no ``_celery_prio_*`` attribute is set
+    on or read from an app, a task or a Celery object anywhere in the library."""
+    found = [m for m, p in MODULES.items() if "_celery_prio_" in p.read_text()]
+    assert found == []
+
+
+def test_the_task_consumer_only_wires():
+    """``worker/task_consumer.py`` is kombu's Consumer stand-in over the worker's runtime: short, no decisions."""
+    assert len((PACKAGE / "worker" / "task_consumer.py").read_text().splitlines()) <= 150
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """What one module needs of another is public; Celery's private names live in ``celery_private.py`` only."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("celery_prio")):
+                found += [(module, a.name) for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.ImportFrom) and module != "celery_prio.celery_private":
+                found += [(module, a.name) for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert found == []
+
+
+def test_the_pure_policy_keeps_no_process_wide_state():
+    """No module-level mutable object in ``policy/`` (a worker's state belongs to its runtime)."""
+    found = []
+    for module, path in MODULES.items():
+        if not _within(module, "celery_prio.policy"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+            if names == ["__all__"]:
+                continue
+            if isinstance(value, (ast.Call, ast.Dict, ast.List, ast.Set)):
+                found.append((module, ast.unparse(node)[:60]))
+    assert found == []

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from celery_prio import settings_for
 from celery_prio.headers import DEAD_REASON
-from celery_prio.settings import settings_for
 from celery_prio.tiers import Tier
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

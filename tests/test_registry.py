@@ -5,8 +5,8 @@ from __future__ import annotations
 import amqp
 import pytest
 
+from celery_prio import settings_for
 from celery_prio.brokers.amqp.registry import announce, read_registry, registry_name
-from celery_prio.settings import settings_for
 
 pytestmark = [pytest.mark.broker]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from celery_prio.policy.count_scheduler import scheduler_for
 from celery_prio.policy.scheduler import TierScheduler
 from celery_prio.tiers import Tier
 
@@ -46,19 +47,19 @@ EQUAL = {R: 1.0, B: 1.0, O: 1.0}
     ],
 )
 def test_exact_pick_sequences(mode, weights, min_share, runtime, expected):
-    s = TierScheduler(weights, concurrency=1, reserve=0, min_share=min_share, mode=mode, estimates=runtime)
+    s = scheduler_for(mode, weights, concurrency=1, reserve=0, min_share=min_share, estimates=runtime)
     assert drive(s, len(expected), runtime) == expected
 
 
 def test_time_mode_learns_runtimes_from_a_cold_start():
-    s = TierScheduler(W821, concurrency=1, mode="time", min_share=0)
+    s = scheduler_for("time", W821, concurrency=1, min_share=0)
     # Unknown tiers start at the same estimate, so the first picks follow the
     # weights; after that realtime's short tasks earn it more picks.
     assert drive(s, 40, {R: 0.25, B: 1.0, O: 1.0}) == "RBRRORRRRRRRRRRRRRRRRRRRRRRRRRRRRRBRRRRR"
 
 
 def test_time_mode_converges_to_weight_shares_of_slot_time():
-    s = TierScheduler(W821, concurrency=1, mode="time", min_share=0)
+    s = scheduler_for("time", W821, concurrency=1, min_share=0)
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4})
     shares = s.shares()
     assert shares[R] == pytest.approx(8 / 11, abs=0.02)
@@ -68,7 +69,7 @@ def test_time_mode_converges_to_weight_shares_of_slot_time():
 
 def test_count_mode_gives_realtime_far_less_than_its_time_share():
     # The reason time mode is the default: short realtime tasks lose out.
-    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    s = scheduler_for("count", W821, concurrency=1, min_share=0)
     drive(s, 1100, {R: 0.02, B: 0.1, O: 0.4})
     assert s.shares()[R] < 0.3
 
@@ -76,7 +77,7 @@ def test_count_mode_gives_realtime_far_less_than_its_time_share():
 @pytest.mark.parametrize("min_share", [0, 5, 10])
 def test_time_mode_floor_is_a_share_of_slot_time(min_share):
     # Realtime alone could fill the worker; offline still gets min_share % of the time.
-    s = TierScheduler({R: 100, B: 1, O: 1}, concurrency=1, mode="time", min_share=min_share)
+    s = scheduler_for("time", {R: 100, B: 1, O: 1}, concurrency=1, min_share=min_share)
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.1}, backlog=(R, O))
     # Without a floor offline gets its weight against realtime's (idle batch's is unused): 1/101.
     expected = max(min_share / 100, 1 / 101)
@@ -85,14 +86,14 @@ def test_time_mode_floor_is_a_share_of_slot_time(min_share):
 
 def test_with_realtime_idle_batch_and_offline_keep_their_ratio_by_default():
     """The seed's weighted round robin: an idle tier's turns are skipped, the busy ones keep 2:1."""
-    s = TierScheduler(W821, concurrency=1, mode="time")
+    s = scheduler_for("time", W821, concurrency=1)
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4}, backlog=(B, O))
     assert s.shares()[B] == pytest.approx(2 / 3, abs=0.02)
     assert s.shares()[O] == pytest.approx(1 / 3, abs=0.02)
 
 
 def test_next_below_gives_idle_realtime_weight_to_batch_not_spread_over_offline():
-    s = TierScheduler(W821, concurrency=1, mode="time", idle_share="next_below")
+    s = scheduler_for("time", W821, concurrency=1, idle_share="next_below")
     drive(s, 3000, {R: 0.02, B: 0.1, O: 0.4}, backlog=(B, O))
     assert s.shares()[B] == pytest.approx(10 / 11, abs=0.02)
     assert s.shares()[O] == pytest.approx(1 / 11, abs=0.02)
@@ -108,25 +109,25 @@ def test_next_below_gives_idle_realtime_weight_to_batch_not_spread_over_offline(
     ],
 )
 def test_idle_share_pick_sequences(rule, expected):
-    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0, idle_share=rule)
+    s = scheduler_for("count", W821, concurrency=1, min_share=0, idle_share=rule)
     assert drive(s, len(expected), EQUAL, backlog=(B, O)) == expected
 
 
 def test_a_returning_idle_tier_starts_level_with_the_busy_ones():
-    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    s = scheduler_for("count", W821, concurrency=1, min_share=0)
     drive(s, 100, EQUAL, backlog=(B, O))
     assert drive(s, 22, EQUAL) == "RRRRRRRRBORRRRBRRRRBOR"  # 8 R per B+B+O, from the first window on
 
 
 @pytest.mark.parametrize("min_share", [1, 5, 10, 20])
 def test_count_mode_floor_holds_in_every_window_of_100(min_share):
-    s = TierScheduler({R: 1000, B: 1, O: 1}, concurrency=1, mode="count", min_share=min_share)
+    s = scheduler_for("count", {R: 1000, B: 1, O: 1}, concurrency=1, min_share=min_share)
     picks = drive(s, 500, EQUAL)
     assert min(picks[i : i + 100].count("O") for i in range(400)) >= min_share
 
 
 def test_no_floor_while_offline_is_empty_and_no_burst_after():
-    s = TierScheduler({R: 1000, B: 1, O: 1}, concurrency=1, mode="count", min_share=5)
+    s = scheduler_for("count", {R: 1000, B: 1, O: 1}, concurrency=1, min_share=5)
     picks = drive(s, 200, EQUAL, backlog=(R,))
     assert "O" not in picks
     # Offline comes back: it gets its floor, not a burst of saved-up picks.
@@ -135,12 +136,12 @@ def test_no_floor_while_offline_is_empty_and_no_burst_after():
 
 
 def test_work_conserving_idle_tier_share_goes_to_others():
-    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    s = scheduler_for("count", W821, concurrency=1, min_share=0)
     assert set(drive(s, 30, EQUAL, backlog=(B, O))) == {"B", "O"}
 
 
 def test_returning_idle_tier_does_not_burst():
-    s = TierScheduler(W821, concurrency=1, mode="count", min_share=0)
+    s = scheduler_for("count", W821, concurrency=1, min_share=0)
     drive(s, 100, EQUAL, backlog=(B, O))  # realtime idle for 100 dispatches
     picks = drive(s, 11, EQUAL)
     assert picks.count("B") >= 1 and picks.count("O") >= 1
@@ -198,7 +199,7 @@ def test_a_task_blocked_waiting_does_not_hold_its_tiers_cold_start_slot():
 
 
 def test_reserve_keeps_last_slots_for_realtime():
-    s = TierScheduler(W821, concurrency=4, reserve=1, mode="time", min_share=0, estimates=KNOWN)
+    s = scheduler_for("time", W821, concurrency=4, reserve=1, min_share=0, estimates=KNOWN)
     for _ in range(3):
         tier = next(t for t in s.order() if t is not R)
         s.dispatched(tier)
@@ -209,7 +210,7 @@ def test_reserve_keeps_last_slots_for_realtime():
 
 
 def test_realtime_may_fill_every_slot():
-    s = TierScheduler(W821, concurrency=4, reserve=1, mode="time", served=frozenset({R}), estimates=KNOWN)
+    s = TierScheduler(W821, concurrency=4, reserve=1, served=frozenset({R}), estimates=KNOWN)
     for _ in range(4):
         assert s.order() == [R]
         s.dispatched(R)
@@ -240,7 +241,7 @@ def test_finished_frees_the_slot_and_learns_runtime():
 def test_bad_arguments(kwargs, message):
     args = {"weights": W821, "concurrency": 1, **kwargs}
     with pytest.raises(ValueError, match=message):
-        TierScheduler(**args)
+        scheduler_for(args.pop("mode", "time"), **args)
 
 
 # -- GPU time slices: who gives a slot back ------------------------------------------

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 from celery import chord
 
-from celery_prio.slices import CRASH_AFTER_PUBLISH_ENV
+from tests.workerapp import CRASH_AFTER_SLICE_PUBLISH as CRASH_AFTER_PUBLISH_ENV
 
 SLICED = {"reserve": 0, "slice": {"batch": 0.1, "offline": 0.1}}
 

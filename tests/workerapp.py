@@ -20,6 +20,26 @@ from celery import Celery, signals
 
 import celery_prio
 
+#: Set in a worker's environment: a pool child that publishes a sliced task's continuation kills its worker and
+#: itself right after, before the ack (the crash window the slices' exactly-once must survive).
+CRASH_AFTER_SLICE_PUBLISH = "PRIO_TEST_CRASH_AFTER_SLICE_PUBLISH"
+
+
+def _crash_after_slice_publish(app: Celery) -> None:
+    import signal
+
+    from celery_prio.runtime import publisher_of
+
+    continuations = publisher_of(app).continuations
+    publish = continuations.publish
+
+    def publish_then_crash(continuation: Any) -> None:
+        publish(continuation)
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    continuations.publish = publish_then_crash
+
 
 def make_app(
     prefix: str,
@@ -46,6 +66,8 @@ def make_app(
     )
     if not plain:
         celery_prio.install(app, queue_prefix=prefix, **(settings or {}))
+        if os.environ.get(CRASH_AFTER_SLICE_PUBLISH):
+            _crash_after_slice_publish(app)
     recorder = redis.Redis.from_url(backend)
     log_key = f"{prefix}:log"
 

@@ -4,7 +4,7 @@ Three factories choose the implementation from the app's broker:
 ``publisher_for(app)`` (the producer side, from the URL alone),
 ``adapter_for(app)`` (operators' :class:`~.base.Broker`, on a connection of
 its own) and ``fetch_source_for(...)`` (a worker's
-:class:`~.base.FetchSource`, on a consumer's channel). Each imports only the
+:class:`~.base.BrokerFetchSource`, on a consumer's channel). Each imports only the
 package of the broker in use: a Redis app never loads the AMQP code.
 """
 
@@ -17,7 +17,8 @@ from kombu import Connection
 
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
-from .base import Broker, BrokerFigures, FetchSource, Job, Publisher, Take
+from .base import Broker, BrokerFetchSource, BrokerFigures, FetchSource, Job, Take
+from .publishing import Publisher
 
 SUPPORTED = "celery-prio supports the redis and amqp (RabbitMQ) transports"
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def adapter_for(app: Celery) -> Broker:
 
 def fetch_source_for(
     app: Celery, connection: Connection, served: ServedQueues, settings: PrioSettings, worker_name: str
-) -> FetchSource:
+) -> BrokerFetchSource:
     """A fetch source on a channel of its own: its round trips and the acks of what it took live there."""
     kind = connection.transport.driver_type
     if kind == "redis":
@@ -76,16 +77,17 @@ def publisher_for(app: Celery) -> Publisher:
     if kind == "redis":
         from .redis.publishing import RedisPublisher
 
-        return RedisPublisher()
+        return RedisPublisher(app)
     if kind == "amqp":
         from .amqp.publishing import AmqpPublisher
 
-        return AmqpPublisher()
-    return Publisher()
+        return AmqpPublisher(app)
+    return Publisher(app)
 
 
 __all__ = [
     "Broker",
+    "BrokerFetchSource",
     "BrokerFigures",
     "FetchSource",
     "Job",

@@ -1,16 +1,15 @@
 """What the rest of celery-prio asks of a broker: one typed interface per role, the only one outside ``brokers/``.
 
-* :class:`FetchSource` — a worker's side, on its consumer's channel: the
-  next message for an ordered list of tiers, dead letters, the broker's
-  housekeeping jobs, broker-wide figures for the worker report.
+* :class:`FetchSource` — what the fetch loop needs of a source of messages;
+  :class:`BrokerFetchSource` — a worker's side of a real broker, on its
+  consumer's channel: the next message for an ordered list of tiers, dead
+  letters, discovery, the fleet, the broker's housekeeping jobs, broker-wide
+  figures for the worker report. Required methods are abstract; the few
+  optional capabilities say what a broker without them does.
 * :class:`Broker` — operators' side (CLI, exporters, tests), on a connection
   of its own: depths, counters, drain rates, dead letters, aging.
-* :class:`Publisher` — the producer's side, chosen from the broker URL by
-  ``install()``: tier queues, capacity, refusals, sub-queues, and the three
-  roles below.
-* :class:`BulkSession` (chunks of one task's messages into one queue),
-  :class:`Continuations` (a sliced task's next run, published and recorded
-  in one step), :class:`Booster` (lifting a queued task to a higher tier).
+* The producer's side (one ``Publisher`` per app and the roles it hands out)
+  is in ``brokers/publishing.py``.
 
 ``brokers/redis/`` and ``brokers/amqp/`` implement them all,
 ``brokers/memory.py`` the fetch source for fast tests; nothing outside
@@ -21,20 +20,15 @@ brokers, anything in the memory broker.
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from celery import Celery
-from celery.app.amqp import task_message
-from kombu import Connection, Exchange, Queue
 
-from ..errors import QueueFull
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
-from ..tiers import TIERS, Tier
+from ..tiers import Tier
 
 #: A boost record a worker must know before its first fetch: ``[task id, generation, at]`` (``superseded.py``).
 BoostRecord = list[str | int | float]
@@ -102,7 +96,8 @@ MAX_ANNOUNCED_TASKS = 10_000  # task names one worker records in the fleet's dir
 
 
 class FetchSource(ABC):
-    """The worker's side of a broker, on the consumer's channel."""
+    """What the fetch loop needs of a source of messages: a broker's (:class:`BrokerFetchSource`), or the
+    in-memory one of the simulator and the fast tests (``brokers/memory.py``)."""
 
     #: The kombu channel the source fetches and acks on (Celery binds the worker's queues to it).
     channel: object = None
@@ -124,63 +119,80 @@ class FetchSource(ABC):
     def dead_letter(self, message: object, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
 
-    #: Messages delivered to this worker that wait for a slot (a source the broker pushes to holds some).
-    held = 0
-
-    def stop(self) -> None:  # noqa: B027 - sources that hold nothing have nothing to give back
-        """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
-
-    def attach_loop(self, hub: object) -> None:  # noqa: B027 - a source that never blocks needs no loop
-        """The worker's event loop (kombu's Hub), for a source that waits on the broker while idle."""
-
-    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[object]:
-        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (about ``max_bytes`` of them
-        at most, 0: no bound), oldest first, each recorded as this worker's like any fetch (none: an empty list)."""
-        return []
-
+    @abstractmethod
     def wait_for_work(self, order: list[Tier]) -> bool:
         """Every queue of ``order`` was empty: wait on the broker and call ``on_arrival`` when work may have
         come (or after about a second). False where this source cannot: the fetch loop polls instead."""
-        return False
 
-    def prepare_subqueues(self, names: list[str]) -> None:  # noqa: B027 - most brokers need nothing
-        """Make sure the sub-queues ``names`` exist before they are asked (RabbitMQ: asking a missing one fails)."""
+    #: Capability of a source the broker pushes messages to (RabbitMQ's consumers): messages delivered to this
+    #: worker that wait for a slot. A source that only pulls holds none.
+    held = 0
+
+    def stop(self) -> None:  # noqa: B027 - a source that holds nothing has nothing to give back
+        """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
+
+
+class BrokerFetchSource(FetchSource):
+    """The worker's side of a real broker, on the consumer's channel: what the worker's runtime needs beyond
+    the fetch loop's contract. Every method without a body is required; the few with one are capabilities
+    that some brokers lack, and their body says what a broker without them does."""
+
+    @abstractmethod
+    def attach_loop(self, hub: object) -> None:
+        """The worker's event loop (kombu's Hub): the source waits on the broker on it while idle."""
+
+    @abstractmethod
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[object]:
+        """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (about ``max_bytes`` of them
+        at most, 0: no bound), oldest first, each recorded as this worker's like any fetch (none: an empty list)."""
+
+    @abstractmethod
+    def discover_subqueues(self) -> list[str] | None:
+        """Every sub-queue published to (``<prefix>.<tier>.<name>``); None when the broker cannot say now."""
+
+    @abstractmethod
+    def fleet_serving(self) -> dict[Tier, int] | None:
+        """How many live workers serve each tier (this one included); None when the broker cannot say now."""
+
+    @abstractmethod
+    def announce_tasks(self, names: list[str]) -> None:
+        """Record in the broker's task directory that a worker of this fleet registered the tasks ``names``."""
+
+    @abstractmethod
+    def fleet_knows_task(self, name: str) -> bool:
+        """Whether a worker of this fleet ever registered ``name`` (False: it is dead-lettered)."""
+
+    @abstractmethod
+    def join_fleet(self) -> list[BoostRecord]:
+        """Called before the first fetch: count this worker among those a boost asks; the boost records it
+        must know (``[[task id, generation, at], ...]``, see ``superseded.py``)."""
+
+    @abstractmethod
+    def queue_depths(self, names: list[str]) -> list[int]:
+        """Depth of each of ``names`` (0 for one that does not exist)."""
 
     #: Seconds between looks for new sub-queues, where the broker does not tell the worker of them itself.
-    discovery_interval = 2.0
+    discovery_interval: float = 2.0
     #: True where one call asks all of a worker's queues (Redis' fetch script): the worker then serves the
     #: shortest-first queue of every task it has registered from the start, with no discovery at all.
     asks_all_queues_in_one_call = False
     #: Why this worker cannot find new sub-queues now, or None; reported with the worker's figures.
     discovery_problem: str | None = None
 
-    def discover_subqueues(self) -> list[str] | None:
-        """Every sub-queue published to (``<prefix>.<tier>.<name>``); None when the broker cannot say now."""
-        return None
-
-    def fleet_serving(self) -> dict[Tier, int] | None:
-        """How many live workers serve each tier (this one included); None when the broker cannot say now."""
-        return None
-
-    def announce_tasks(self, names: list[str]) -> None:  # noqa: B027 - a broker without a directory keeps none
-        """Record in the broker's task directory that a worker of this fleet registered the tasks ``names``."""
-
-    def fleet_knows_task(self, name: str) -> bool:
-        """Whether a worker of this fleet ever registered ``name`` (False: no directory; it is dead-lettered)."""
-        return False
+    def prepare_subqueues(self, names: list[str]) -> None:
+        """Capability of a broker on which asking a queue that does not exist fails (RabbitMQ): create the
+        sub-queues ``names`` before they are asked. Elsewhere nothing to do."""
 
     def recover_own(self, held: set[str]) -> int:
-        """After a reconnect: return to their queues the messages this process fetched on a connection that
-        died and no longer holds (``held``: delivery tags it still runs or waits to run). How many."""
+        """Capability of a broker that does not give a dead connection's messages back by itself (Redis): after
+        a reconnect, return to their queues the messages this process fetched on the connection that died and
+        no longer holds (``held``: delivery tags it still runs or waits to run). How many. Elsewhere 0."""
         return 0
 
-    def join_fleet(self) -> list[BoostRecord]:
-        """Called before the first fetch: count this worker among those a boost asks; the boost records it
-        must know (``[[task id, generation, at], ...]``, see ``superseded.py``). Only RabbitMQ needs any."""
-        return []
-
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
-        """Jobs this broker needs on the worker's loop (``dispatched`` gives the counts per tier so far)."""
+        """Capability of a broker whose fleet-wide jobs the workers run (Redis: aging, recovery, pruning):
+        the jobs for the worker's loop (``dispatched`` gives the counts per tier so far). None where the
+        broker does them itself (RabbitMQ: TTLs, dead-letter exchanges, stream retention)."""
         return []
 
     def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
@@ -203,10 +215,6 @@ class FetchSource(ABC):
             names = [c.name for c in self.served.candidates(tier)][: self.DEPTH_QUEUES_PER_TIER]
             out[tier] = sum(self.queue_depths(names))
         return out
-
-    def queue_depths(self, names: list[str]) -> list[int]:
-        """Depth of each of ``names`` (0 for one that does not exist)."""
-        return [0 for _ in names]
 
 
 class Broker(ABC):
@@ -274,177 +282,3 @@ class Broker(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections."""
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The next run of a sliced task: ``send(producer=None, **publish_options)`` publishes it."""
-
-    task_id: str
-    generation: int
-    send: Callable[..., None]
-    tier: Tier
-    enqueued_at: object  # the first publish's stamp, as the message carried it (checked before use)
-
-
-class Continuations(ABC):
-    """Sliced tasks' continuations: published and recorded in one step, so a stale copy knows it is stale."""
-
-    @abstractmethod
-    def publish(self, app: Celery, settings: PrioSettings, continuation: Continuation) -> None:
-        """Publish ``continuation`` and record its generation as committed, atomically."""
-
-    @abstractmethod
-    def committed(self, app: Celery, settings: PrioSettings, task_id: str) -> int:
-        """How many continuations of ``task_id`` were committed (a copy of an earlier generation is stale)."""
-
-    def stale(
-        self, app: Celery, settings: PrioSettings, task_id: str, generation: int, redelivered: bool, since: float = 0
-    ) -> bool:
-        """Whether this copy of ``task_id`` (its ``generation``; ``redelivered``: given back or dead-lettered before;
-        ``since``: its first publish's time, 0 if unknown) is older than a committed continuation: then acked unrun."""
-        return (redelivered or generation > 0) and self.committed(app, settings, task_id) > generation
-
-    @abstractmethod
-    def waiting(self, app: Celery, settings: PrioSettings, tier: Tier) -> int:
-        """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child."""
-
-
-class Booster(ABC):
-    """``celery_prio.boost``: lift a queued task into a higher tier's front lane."""
-
-    @abstractmethod
-    def lift(self, app: Celery, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
-        """What the boost did, or None where this process cannot find the task."""
-
-
-class BulkSession(ABC):
-    """Publishes chunks of Celery task messages (``amqp.task_message``) to one tier queue or sub-queue.
-
-    ``bulk`` publishes a chunk in three steps, so that it can build and encode
-    the next chunk while the broker takes this one: ``encode`` (no I/O),
-    ``send`` (returns a ticket), ``collect`` (waits for the broker's answer:
-    per message, accepted or not). By default ``send`` publishes at once.
-    """
-
-    #: Header fields that differ between the messages of one bulk publish (the rest is encoded once).
-    VARIABLE_HEADERS = ("id", "root_id", "argsrepr", "kwargsrepr", "prio_enqueued_at", "group_index")
-
-    def __init__(
-        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, queue: str | None = None
-    ) -> None:
-        self.app = app
-        self.settings = settings
-        self.tier = tier
-        self.queue = queue or settings.queue_name(tier)  # the tier's queue, or one of its sub-queues
-        self.cap = settings.max_length[tier] if queue is None else settings.subqueue_cap(tier)
-        self.channel = connection.channel()
-        self.serializer = app.conf.task_serializer or "json"
-
-    def prepare(self, message: task_message) -> object:
-        """The broker's own message for a Celery task message (as kombu's Producer would build it)."""
-        from kombu.serialization import dumps
-
-        content_type, content_encoding, body = dumps(message.body, serializer=self.serializer)
-        properties = {k: v for k, v in message.properties.items() if v}  # no empty reply_to
-        properties["delivery_mode"] = 2  # persistent, as Celery's default
-        return self.channel.prepare_message(body, 0, content_type, content_encoding, message.headers, properties)
-
-    @abstractmethod
-    def publish(self, messages: list[task_message]) -> list[bool]:
-        """Per message, whether the broker accepted it. Stops nothing: the caller reports refusals."""
-
-    def encode(self, messages: list[task_message]) -> object:
-        return messages
-
-    def send(self, encoded: object) -> object:
-        return self.publish(encoded)  # type: ignore[arg-type]  # the default ticket is the messages
-
-    def collect(self, ticket: object) -> list[bool]:
-        return ticket  # type: ignore[return-value]  # the default ``send`` answered at once
-
-    @abstractmethod
-    def queue_full(self, accepted: int) -> QueueFull:
-        """The error for a chunk the tier did not take whole."""
-
-
-class Publisher:
-    """What ``install()`` and the publish path need of a broker; the base does nothing broker-specific."""
-
-    kind = "?"
-
-    def __init__(self) -> None:
-        self._subqueues: dict[str, Queue] = {}
-        self._introduced_at: dict[str, float] = {}  # monotonic time each sub-queue was last made known
-        self._subqueues_lock = threading.Lock()
-
-    REINTRODUCE_AFTER = 24 * 3600.0  # a sub-queue in use is introduced again at least this often
-
-    def reintroduce_after(self, settings: PrioSettings) -> float:
-        """Well inside ``prio_prune_after``: a prune pass never drops a sub-queue publishers still use."""
-        return min(self.REINTRODUCE_AFTER, settings.prune_after / 2)
-
-    def subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, subqueue: str) -> Queue:
-        """The kombu Queue of a sub-queue, made known to the workers (and declared) on first use in this process."""
-        name = settings.subqueue_name(tier, subqueue)
-        queue = self._subqueues.get(name)
-        every = self.reintroduce_after(settings)
-        if queue is None or time.monotonic() - self._introduced_at[name] > every:
-            with self._subqueues_lock:
-                queue = self._subqueues.get(name)
-                if queue is None or time.monotonic() - self._introduced_at[name] > every:
-                    # Before the first message: a worker serves the queue from that message on.
-                    self.introduce_subqueue(app, settings, tier, name)
-                    self._introduced_at[name] = time.monotonic()
-                if queue is None:
-                    # Published through the default exchange, straight to the queue.
-                    queue = self._subqueues[name] = Queue(name, Exchange(""), routing_key=name, no_declare=True)
-        return queue
-
-    def introduce_subqueue(self, app: Celery, settings: PrioSettings, tier: Tier, name: str) -> None:
-        """Create ``name`` where the broker needs it and let workers find it."""
-
-    def check(self, settings: PrioSettings) -> None:
-        """Refuse, before anything is declared, settings this broker cannot honour."""
-
-    def queues(self, settings: PrioSettings) -> list[Queue]:
-        """The three tier queues, declared like Celery's own (a direct exchange per queue)."""
-        return [Queue(n, Exchange(n, type="direct"), routing_key=n) for n in map(settings.queue_name, TIERS)]
-
-    def configure(self, app: Celery, settings: PrioSettings, options: dict[str, object]) -> None:
-        """Adjust ``broker_transport_options`` (and the transport) for capacity."""
-
-    def before_send(self, app: Celery, settings: PrioSettings) -> None:
-        """Called before every publish through the app (cheap after the first)."""
-
-    def refusal(
-        self, app: Celery, settings: PrioSettings, tier: Tier, queue: str | None, exc: BaseException
-    ) -> QueueFull | None:
-        """``QueueFull`` when ``exc`` is this broker saying ``tier`` (its ``queue``) is full; else None."""
-        return None
-
-    @property
-    def continuations(self) -> Continuations:
-        raise NotImplementedError("GPU time slices support Redis and RabbitMQ")
-
-    @property
-    def booster(self) -> Booster:
-        raise NotImplementedError("celery_prio.boost supports Redis and RabbitMQ")
-
-    #: Why a boost may find nothing (``Boost.detail`` of ``not_found``).
-    boost_not_found = "not queued in this app's tier queues (unknown id, or running without task_track_started)"
-
-    def remember_publishes(self, settings: PrioSettings) -> None:
-        """Called by ``install()``: keep what a boost from this process needs (RabbitMQ)."""
-
-    def bulk_session(
-        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, subqueue: str | None = None
-    ) -> BulkSession:
-        """A session that publishes chunks of prepared task messages to ``tier`` or one of its sub-queues."""
-        queue = None if subqueue is None else self.subqueue(app, settings, tier, subqueue).name
-        return self.new_bulk_session(app, connection, settings, tier, queue)
-
-    def new_bulk_session(
-        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, queue: str | None
-    ) -> BulkSession:
-        raise NotImplementedError(f"bulk publish supports Redis and RabbitMQ, not {connection.transport.driver_type!r}")

@@ -11,6 +11,7 @@ from ..errors import ConfigError
 from ..headers import SLICE_MARKER_SUFFIX
 from ..settings import PrioSettings
 from ..tiers import Tier
+from .publishing import Bound, Publisher
 
 MARKER_TTL = 24 * 3600
 
@@ -19,18 +20,20 @@ def marker_name(settings: PrioSettings, task_id: str) -> str:
     return f"{settings.queue_prefix}{SLICE_MARKER_SUFFIX}{task_id}"
 
 
-class ProcessConnection:
-    """One broker connection per process (pool children are forked: never share the parent's socket)."""
+class ProcessConnection(Bound):
+    """A role bound to an app's publisher with one broker connection per process (pool children are forked:
+    never share the parent's socket)."""
 
     transport_options: dict[str, Any] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, publisher: Publisher) -> None:
+        super().__init__(publisher)
         self._conn: Any = None
         self._pid = 0
 
-    def connection(self, app: Any) -> Any:
+    def connection(self) -> Any:
         if self._conn is None or self._pid != os.getpid():
-            self._conn = app.connection_for_write(transport_options=self.transport_options)
+            self._conn = self.app.connection_for_write(transport_options=self.transport_options)
             self._pid = os.getpid()
         return self._conn
 
@@ -39,13 +42,14 @@ class ProcessConnection:
 
     _subqueues: tuple[float, list[str]] | None = None
 
-    def subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+    def subqueues(self) -> list[str]:
         """This app's sub-queues (listed, and realtime's shortest-first ones), at most every
         ``SUBQUEUE_LIST_TTL`` seconds per process: asked at sliced tasks' element boundaries."""
+        app, settings = self.app, self.settings
         now = time.monotonic()
         if self._subqueues is None or now - self._subqueues[0] > SUBQUEUE_LIST_TTL or self._pid != os.getpid():
             try:
-                names = self.list_subqueues(app, settings)
+                names = self.list_subqueues()
             except Exception:  # a listing that fails leaves the last one in use
                 names = self._subqueues[1] if self._subqueues else []
             if settings.sjf:
@@ -55,7 +59,7 @@ class ProcessConnection:
             self._subqueues = (now, names)
         return self._subqueues[1]
 
-    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+    def list_subqueues(self) -> list[str]:
         raise NotImplementedError
 
     #: Counts every registered task's shortest-first queue (as the worker serves them: see ``sjf_queues``).
@@ -71,6 +75,11 @@ def tier_queues(settings: PrioSettings, tier: Tier, subqueues: list[str]) -> lis
     names = [settings.queue_name(tier), *([lane] if lane else [])]
     names += [n for n in subqueues if settings.subqueue_of(n, tier) is not None]
     return list(dict.fromkeys(names))
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply (bytes) or any value as text; undecodable bytes replaced, never an error."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def fast_json(value: Any) -> str:

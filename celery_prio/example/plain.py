@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_prio.batching import batch_of, takes_batches
+from celery_prio.batching import batch_of
+from celery_prio.celery_hooks import takes_batches
 
 
 def batches_of_one(sender: Any, **_: Any) -> None:

@@ -21,7 +21,7 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from ..brokers import adapter_for
 from ..errors import ConfigError
-from ..settings import settings_for
+from ..runtime import settings_for
 from ..worker.report import fmt
 from .fleet import cluster_status
 

@@ -38,7 +38,8 @@ class _NothingToReport(PrioCollector):
             tiers={}, subqueues={}, unserved={}, stale_skipped=0, dead_letters=0, dead_dropped=0, held=0,
             discovery_problem=None,
         )  # fmt: skip
-        super().__init__(SimpleNamespace(report=lambda: report, stats=SimpleNamespace(tiers={})), app=None)
+        runtime = SimpleNamespace(stats=SimpleNamespace(tiers={}))
+        super().__init__(SimpleNamespace(report=lambda: report, runtime=runtime), app=None)
 
     def _depths(self) -> dict[str, int]:
         return {}

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..brokers.memory import MemoryDoorbell, MemoryFetchSource
-from ..policy.scheduler import TierScheduler
+from ..policy.count_scheduler import scheduler_for
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
@@ -119,12 +119,12 @@ class _Worker:
         self.served = ServedQueues(settings, [settings.queue_name(t) for t in TIERS])
         self.source = MemoryFetchSource(self.served, settings, sim.doorbell)
         self.source.queues = sim.queues  # one broker for every worker
-        self.scheduler = TierScheduler(
+        self.scheduler = scheduler_for(
+            settings.scheduler,
             weights=settings.weights,
             concurrency=workload.concurrency,
             reserve=settings.effective_reserve(workload.concurrency),
             min_share=settings.min_share,
-            mode=settings.scheduler,
             idle_share=settings.idle_share,
         )
         clock = sim.loop

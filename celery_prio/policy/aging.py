@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..headers import ENQUEUED_HEADER, PROMOTED_HEADER
 from ..tiers import Tier
@@ -54,7 +55,9 @@ _STAMP_KEY = f'"{ENQUEUED_HEADER}": '
 
 def _looks_stamped(raw: bytes | str) -> bool:
     """Cheap: the element carries an enqueue stamp key (its value is checked once it reaches the head)."""
-    return (_STAMP_KEY.encode() if isinstance(raw, bytes) else _STAMP_KEY) in raw
+    if isinstance(raw, bytes):
+        return _STAMP_KEY.encode() in raw
+    return _STAMP_KEY in raw
 
 
 def plan_promotions(
@@ -82,7 +85,8 @@ def plan_promotions(
         if not running and not plan.dead_heads and _looks_stamped(raw):
             continue  # past the due run only unstamped messages matter; a substring test is ~100x a parse
         message, problem = decode_redis_element(raw)
-        if problem is not None:
+        if message is None or problem is not None:
+            problem = problem or "malformed: not a message"
             if offset == 0 and len(plan.dead_heads) == index:
                 plan.dead_heads.append((raw, problem))
                 continue  # still at the oldest end: the pass moves it aside
@@ -108,7 +112,7 @@ def plan_promotions(
     return plan
 
 
-def readdress(message: dict, from_tier: Tier, queue: str, history_header: str) -> dict:
+def readdress(message: dict[str, Any], from_tier: Tier, queue: str, history_header: str) -> dict[str, Any]:
     """Rewrite a decoded Redis envelope, in place, for a move to ``queue`` (aging, boost).
 
     ``history_header`` gets ``from_tier`` appended; ``delivery_info`` is

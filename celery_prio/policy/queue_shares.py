@@ -26,7 +26,7 @@ from .fairshare import Flow
 class QueueState(Flow):
     """A queue as a flow (``fairshare.Flow``), with its recent waits for the report."""
 
-    waits: deque = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))
     looked_at: float | None = None  # when a fetch last took from it or found it empty (shortest job first)
 
 

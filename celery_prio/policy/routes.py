@@ -27,12 +27,12 @@ def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = N
     return parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
 
 
-def subqueue_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any, call: tuple) -> str | None:
+def subqueue_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any, call: tuple[Any, ...]) -> str | None:
     """The sub-queue of a call: the call's ``subqueue``, the task's, ``prio_subqueue_key``; None if none names one.
 
     Raises ``ValueError`` naming the problem for a name that cannot be a queue's.
     """
-    sub = explicit if explicit is not None else getattr(task, "subqueue", None)
+    sub: str | None = explicit if explicit is not None else getattr(task, "subqueue", None)
     if sub is None:
         sub = settings.subqueue_for_call(name, *call)
     if sub is not None:

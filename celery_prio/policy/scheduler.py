@@ -5,9 +5,9 @@ slot time, not of dispatches. Each tier carries a virtual time: dispatching a
 task charges the tier its expected run time divided by its weight, and when
 the task finishes the charge is corrected to the measured run time (start-time
 fair queueing with a per-tier run-time estimate). The tier with the smallest
-virtual finish tag goes first. A count mode (charge 1 per dispatch) exists for
-comparison only: with 20 ms realtime tasks and 400 ms offline tasks it gives
-realtime far less than 8/11 of the time.
+virtual finish tag goes first. A count mode (charge 1 per dispatch,
+``count_scheduler.py``) exists for comparison only: with 20 ms realtime tasks
+and 400 ms offline tasks it gives realtime far less than 8/11 of the time.
 
 Around that core:
 * work conserving: the caller tries tiers in the returned order and skips the
@@ -23,9 +23,9 @@ Around that core:
   ``concurrency - reserve`` slots, so a realtime arrival never waits behind a
   long evaluation;
 * minimum share: while offline has work it gets at least ``min_share`` per
-  100 of what is being shared, i.e. per cent of slot time in time mode and
-  dispatches per 100 in count mode, even if realtime alone could fill the
-  worker. (A dispatch-count floor in time mode would hand 2-second offline
+  100 of what is being shared, i.e. per cent of slot time (dispatches per 100
+  in count mode), even if realtime alone could fill the worker. (A dispatch-count floor in time mode
+  would hand 2-second offline
   tasks a third of the GPU whenever realtime sends many 20 ms requests.);
 * an idle tier does not bank credit: when a fetch finds it empty its virtual
   time is lifted to the current virtual clock, so it cannot burst past the
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from ..settings.table import IDLE_SHARE_RULES, SCHEDULER_MODES
+from ..settings.table import IDLE_SHARE_RULES
 from ..tiers import TIERS, Tier
 from .fairshare import Flow
 
@@ -57,7 +58,6 @@ class TierScheduler:
     concurrency: int
     reserve: int = 0
     min_share: float = 5.0
-    mode: str = "time"
     idle_share: str = "proportional"
     served: frozenset[Tier] = frozenset(TIERS)
     #: Known run times (seconds) per tier; unknown tiers start at ``fairshare.DEFAULT_ESTIMATE``.
@@ -70,12 +70,12 @@ class TierScheduler:
     #: pool process but not the tier's turn: see ``_may_take_another`` and ``_low_tiers_allowed``.
     blocked: dict[Tier, int] = field(init=False, default_factory=dict)
     vclock: float = field(init=False, default=0.0)
-    # Count-mode floor: credit in "per 100 dispatches" units, full at 100.
-    offline_credit: float = field(init=False, default=100.0)  # first offline task need not wait
+    #: What a dispatch is charged: its expected run time (``prio_scheduler = "time"``), corrected to the
+    #: measured run time when it ends.
+    mode: ClassVar[str] = "time"
+    corrects_charges: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.mode not in SCHEDULER_MODES:
-            raise ValueError(f"scheduler mode must be one of {SCHEDULER_MODES}, got {self.mode!r}")
         if self.idle_share not in IDLE_SHARE_RULES:
             raise ValueError(f"idle_share must be one of {IDLE_SHARE_RULES}, got {self.idle_share!r}")
         if self.concurrency < 1:
@@ -119,14 +119,18 @@ class TierScheduler:
             below = [t for t in busy if t > tier]
             if below:
                 eff[below[0]] += self.tiers[tier].weight
-        if self.mode == "time" and self.min_share > 0 and Tier.OFFLINE in busy:
+        self._apply_floor(eff, busy)
+        return eff
+
+    def _apply_floor(self, eff: dict[Tier, float], busy: list[Tier]) -> None:
+        """Offline's minimum share of slot time, as a weight: ``min_share`` per cent of what busy tiers share."""
+        if self.min_share > 0 and Tier.OFFLINE in busy:
             others = sum(eff[t] for t in busy if t is not Tier.OFFLINE)
             floor = others * self.min_share / (100.0 - self.min_share) if self.min_share < 100 else float("inf")
             eff[Tier.OFFLINE] = max(eff[Tier.OFFLINE], floor)
-        return eff
 
     def _cost(self, state: TierState) -> float:
-        return 1.0 if self.mode == "count" else state.estimate
+        return state.estimate
 
     def _finish_tag(self, tier: Tier, weights: Mapping[Tier, float]) -> float:
         state = self.tiers[tier]
@@ -162,15 +166,6 @@ class TierScheduler:
         weights = self.effective_weights(busy_now)
         overrun = overrun or {}
         candidates.sort(key=lambda t: (self._finish_tag(t, weights) + overrun.get(t, 0.0) / weights[t], t.value))
-        if (
-            self.mode == "count"
-            and self.min_share > 0
-            and Tier.OFFLINE in candidates
-            and self.offline_credit >= 100.0
-            and not self.tiers[Tier.OFFLINE].idle
-        ):
-            candidates.remove(Tier.OFFLINE)
-            candidates.insert(0, Tier.OFFLINE)
         return candidates
 
     def preemptors(self, sliced: Iterable[Tier], overrun: Mapping[Tier, float] | None = None) -> dict[Tier, set[Tier]]:
@@ -221,12 +216,6 @@ class TierScheduler:
         self.vclock = max(self.vclock, state.vtime)
         charge = state.charge(self.effective_weights()[tier], self._cost(state))
         state.running += 1
-        if self.mode == "count" and self.min_share > 0 and Tier.OFFLINE in self.served:
-            credit = self.offline_credit + self.min_share
-            if tier is Tier.OFFLINE:
-                credit -= 100.0
-            # Capped so that an idle offline tier cannot save up a burst.
-            self.offline_credit = min(100.0, max(0.0, credit))
         return charge
 
     def finished(self, tier: Tier, runtime: float, charge: float) -> None:
@@ -234,7 +223,7 @@ class TierScheduler:
         state = self.tiers[tier]
         state.running = max(state.running - 1, 0)
         state.finished += 1
-        state.settle(runtime, charge, self.effective_weights()[tier], correct=self.mode == "time")
+        state.settle(runtime, charge, self.effective_weights()[tier], correct=self.corrects_charges)
 
     def empty(self, tier: Tier) -> None:
         """Fetching from ``tier`` found nothing: it stops banking virtual time.

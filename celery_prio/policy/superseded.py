@@ -133,7 +133,3 @@ class Superseded:
             if len(self._records) <= self.max_records and now - at < self.keep_for:
                 break
             del self._records[task_id]
-
-
-#: The worker process's records (its main process fetches; the control commands and mingle write).
-superseded = Superseded()

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 from ..errors import QueueFull
 from ..headers import ENQUEUED_HEADER
-from ..settings import settings_for, subqueue_name_problem
+from ..runtime import publisher_of
+from ..settings import subqueue_name_problem
 from ..tiers import parse_tier
 
 #: The apply_async options bulk understands; each applies to every item.
@@ -126,9 +127,9 @@ def publish_calls(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a whole number >= 1, got {chunk!r}")
     app = task._get_app()
-    if getattr(app, "_celery_prio_publishing", None) is None:
+    publishing = publisher_of(app)
+    if publishing is None:
         raise RuntimeError("bulk() needs celery_prio.install(app) first")
-    settings = settings_for(app)
     base = str(uuid.uuid4())
     group_id = str(uuid.uuid4()) if group else None  # Celery's group header; group_index per item
     if group_id is not None:
@@ -142,7 +143,7 @@ def publish_calls(
     embed = template.body[2]
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=3)
-        session = app._celery_prio_publishing.bulk_session(app, connection, settings, tier, subqueue)
+        session = publishing.bulk_session(connection, tier, subqueue)
         # One chunk in flight: the next one is built and encoded while the broker takes the last,
         # and sent only once the last is known to be in whole (nothing is sent after a refusal).
         in_flight: tuple[Any, int] | None = None  # (the session's ticket, how many items it carries)

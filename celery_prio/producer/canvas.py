@@ -20,22 +20,20 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Signature, group
-from celery.canvas import _basemap
 
-from ..settings import settings_for
+from ..celery_private import MapSignature
+from ..runtime import publisher_of, settings_for
 from .bulk import publish_calls
 from .routing import tier_of_call
 
 #: Smaller groups gain little from chunking: they keep Celery's path.
 BULK_GROUP_MIN = 50
 
-_original_apply_async = group.apply_async
 
-
-def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[str, Any] | None:
+def bulk_call_of(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[str, Any] | None:
     """``(task name, tier)`` when the group can take the bulk path, else None."""
     app = g.app
-    if getattr(app, "_celery_prio_publishing", None) is None or app.conf.task_always_eager:
+    if publisher_of(app) is None or app.conf.task_always_eager:
         return None
     # route_name: task.chunks() routes its starmap calls by the chunked task's name.
     if args or kwargs or set(options) - {"tier", "route_name"} or set(g.options) - {"tier"}:
@@ -45,7 +43,7 @@ def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[s
         return None
     first = tasks[0]
     for sig in tasks:
-        mapped = isinstance(sig, _basemap)
+        mapped = isinstance(sig, MapSignature)
         if not isinstance(sig, Signature) or (type(sig) is not Signature and not mapped):
             return None  # chains, groups, chords inside: Celery's path
         if sig.task != first.task or set(sig.options) - {"tier"}:
@@ -63,25 +61,17 @@ def _calls(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[s
 
 
 def _call(sig: Signature) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(sig, _basemap):  # xmap/xstarmap: Celery sends the iterable as a list
+    if isinstance(sig, MapSignature):  # xmap/xstarmap: Celery sends the iterable as a list
         return (), {"task": sig.kwargs["task"], "it": list(sig.kwargs["it"])}
     return tuple(sig.args), dict(sig.kwargs)
 
 
-def apply_async(self: group, args: Any = None, kwargs: Any = None, add_to_parent: bool = True, **options: Any) -> Any:
-    eligible = _calls(self, args, kwargs, options)
-    if eligible is None:
-        return _original_apply_async(self, args, kwargs, add_to_parent=add_to_parent, **options)
-    name, tier = eligible
-    app = self.app
-    ids = publish_calls(app.tasks[name], (_call(sig) for sig in self.tasks), tier, 1000, {}, group=True)
+def publish_group(g: group, name: str, tier: Any, add_to_parent: bool) -> Any:
+    """Publish an eligible group (``bulk_call_of``) through the bulk path; Celery's ``GroupResult`` of it."""
+    app = g.app
+    ids = publish_calls(app.tasks[name], (_call(sig) for sig in g.tasks), tier, 1000, {}, group=True)
     result = app.GroupResult(ids.group_id, ids.results())
     parent = app.current_worker_task
     if add_to_parent and parent:
         parent.add_trail(result)
     return result
-
-
-def route_groups_through_bulk() -> None:
-    """Once per process: eligible groups of apps with celery-prio installed take the bulk path."""
-    group.apply_async = apply_async

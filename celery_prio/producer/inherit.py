@@ -11,8 +11,8 @@
   the call, not on the task, not in ``prio_routes``), runs at the running
   task's tier (the Temporal/Celery convention), not at the default tier.
 
-``prio_inherit = False`` turns both off. Pure but for the Celery classes it
-patches (``install()`` does it once per process).
+``prio_inherit = False`` turns both off. Celery's chains and chords call
+:func:`lift_before_publish` as they are published (``celery_hooks.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Signature, chord, group
-from celery.canvas import _chain
-from celery.utils.functional import _regen, regen  # _regen: how Celery keeps a lazy header
+from celery.utils.functional import regen
 
+from ..celery_private import ChainSignature, LazyMembers
 from ..headers import BOOSTED_HEADER
 from ..policy.routes import tier_of_call
-from ..settings import PrioSettings, settings_for
+from ..runtime import runtime_of
+from ..settings import PrioSettings
 from ..tiers import Tier
 
 
@@ -50,7 +51,7 @@ def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
         top = lift(settings, as_signature, floor)
         sig.update(as_signature)  # in place: the canvas holding the dict publishes what was lifted
         return top
-    if isinstance(sig, _chain):
+    if isinstance(sig, ChainSignature):
         running = floor
         for step in reversed(sig.tasks):  # each step waits on nothing; each is waited on by all after it
             running = higher(running, lift(settings, step, running))
@@ -78,7 +79,7 @@ def lift_members(settings: PrioSettings, sig: Any, floor: Tier | None, top: Tier
     tiers then do not raise the steps before it in a chain (they are not
     known yet); the floor still reaches every member.
     """
-    if isinstance(sig.tasks, _regen):
+    if isinstance(sig.tasks, LazyMembers):
         members = sig.tasks
         sig.tasks = regen(_lifted_as_taken(settings, members, floor))
         return top
@@ -95,38 +96,25 @@ def _lifted_as_taken(settings: PrioSettings, members: Any, floor: Tier | None) -
 
 def _inheriting(sig: Any) -> PrioSettings | None:
     app = sig.app
-    if getattr(app, "_celery_prio_publishing", None) is None:
+    runtime = runtime_of(app)
+    if runtime is None:
         return None
-    settings = settings_for(app)
-    return settings if settings.inherit else None
+    return runtime.settings if runtime.settings.inherit else None
 
 
-def _wrap(cls: type, name: str) -> None:
-    original = getattr(cls, name)
-    if getattr(original, "celery_prio_inherit", False):
+def lift_before_publish(canvas: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A chain or chord about to be published (``apply_async(*args, **kwargs)``): lift its steps, for an app
+    with celery-prio and ``prio_inherit``."""
+    settings = _inheriting(canvas)
+    if settings is None:
         return
-
-    def apply_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = _inheriting(self)
-        if settings is not None:
-            # ``chord(header)(body)`` passes the body in the call's kwargs, not in the chord.
-            call_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
-            body = call_kwargs.get("body") if isinstance(call_kwargs, dict) else None
-            if isinstance(self, chord) and body is not None and self.body is None:
-                lift_members(settings, self, lift(settings, body, None), None)
-            else:
-                lift(settings, self, None)
-        return original(self, *args, **kwargs)
-
-    apply_async.celery_prio_inherit = True  # type: ignore[attr-defined]
-    apply_async.__wrapped__ = original  # type: ignore[attr-defined]
-    setattr(cls, name, apply_async)
-
-
-def lift_canvases() -> None:
-    """Once per process: chains and chords lift their steps as they are published."""
-    _wrap(_chain, "apply_async")
-    _wrap(chord, "apply_async")
+    # ``chord(header)(body)`` passes the body in the call's kwargs, not in the chord.
+    call_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
+    body = call_kwargs.get("body") if isinstance(call_kwargs, dict) else None
+    if isinstance(canvas, chord) and body is not None and canvas.body is None:
+        lift_members(settings, canvas, lift(settings, body, None), None)
+    else:
+        lift(settings, canvas, None)
 
 
 def _running_request() -> Any:
@@ -153,8 +141,8 @@ def parent_tier(settings: PrioSettings, always: bool = False) -> Tier | None:
 
 def running_task_tier(app: Any) -> Tier | None:
     """The tier of the task running in this thread, for an app with ``install()`` (None otherwise)."""
-    settings = getattr(app, "_celery_prio_settings", None)
-    return None if settings is None else parent_tier(settings, always=True)
+    runtime = runtime_of(app)
+    return None if runtime is None else parent_tier(runtime.settings, always=True)
 
 
 def boosted_floor(settings: PrioSettings) -> Tier | None:

@@ -9,6 +9,7 @@ through to the user's own routes and then to ``task_default_queue``, which
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from kombu import Queue
 
 from ..headers import ENQUEUED_HEADER
 from ..policy.routes import subqueue_of_call, tier_of_call
+from ..runtime import Route
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .inherit import boosted_floor, higher, parent_tier
@@ -47,24 +49,32 @@ def route_of_call(
     return tier, sub
 
 
-def make_router(settings: PrioSettings, subqueue: SubqueueOf | None = None):
+def make_router(
+    settings: PrioSettings,
+    subqueue: SubqueueOf | None = None,
+    routed: contextvars.ContextVar[Route | None] | None = None,
+):
     """A Celery router function (``task_routes`` entry) that maps tiers (and sub-queues) to queues.
 
     ``subqueue(tier, name)`` returns the kombu Queue of a sub-queue (made
-    known to the workers on first use).
+    known to the workers on first use). ``routed`` records each decision for
+    the publish that follows (a refusal names the tier and queue from it).
     """
     queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
 
     def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
         tier, sub = route_of_call(settings, name, args, kwargs, options, task)
+        queue = None if tier is None or sub is None else settings.subqueue_name(tier, sub)
+        if routed is not None:
+            routed.set(Route(tier, queue))
         if tier is None:
             return None
         if sub is not None:
             if subqueue is None:
                 raise ValueError("sub-queues need celery_prio.install(app)")
-            queue = subqueue(tier, sub)
-            register_subqueue(queue.name)  # stamped like a tier queue
-            return {"queue": queue}
+            kombu_queue = subqueue(tier, sub)
+            register_subqueue(kombu_queue.name)  # stamped like a tier queue
+            return {"queue": kombu_queue}
         return {"queue": queue_for[tier]}
 
     route_by_tier.celery_prio = True  # type: ignore[attr-defined]

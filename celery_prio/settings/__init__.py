@@ -3,7 +3,7 @@ group (``load``), the parsed form (``model``) and the naming scheme it carries (
 
 from __future__ import annotations
 
-from .load import documented_settings, load_settings, settings_for
+from .load import documented_settings, load_settings
 from .model import PrioSettings
 from .naming import RESERVED_SUBQUEUES, SUBQUEUE_NAME, subqueue_name_problem
 from .table import (
@@ -39,6 +39,5 @@ __all__ = [
     "derived_slices",
     "documented_settings",
     "load_settings",
-    "settings_for",
     "subqueue_name_problem",
 ]

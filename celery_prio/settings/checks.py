@@ -12,8 +12,10 @@ from ..tiers import Tier, parse_tier
 from .table import DEFAULTS, QUEUE_TYPES
 
 
-def per_tier(name: str, value: Any, default: Mapping[str, Any]) -> dict[Tier, Any]:
-    """Merge a user's per-tier dict over the defaults, keyed by Tier."""
+def per_tier(name: str, value: Any, default: object) -> dict[Tier, Any]:
+    """Merge a user's per-tier dict over the defaults (a mapping of tier names), keyed by Tier."""
+    if not isinstance(default, Mapping):
+        raise TypeError(f"the default of prio_{name} is not per tier: {default!r}")
     merged = {parse_tier(k): v for k, v in default.items()}
     if value is None:
         return merged
@@ -72,7 +74,7 @@ def optional_path(name: str, value: Any) -> str | None:
 
 
 def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"prio_{name} must be one of {choices}, got {value!r}")
     return value
 
@@ -87,7 +89,7 @@ def queue_type(value: Any, conf: Mapping[str, Any]) -> str:
     source = "prio_queue_type"
     if value is None:
         value, source = conf.get("task_default_queue_type") or "classic", "task_default_queue_type"
-    if value not in QUEUE_TYPES:
+    if not isinstance(value, str) or value not in QUEUE_TYPES:
         raise ConfigError(f"{source} must be one of {QUEUE_TYPES}, got {value!r}")
     return value
 

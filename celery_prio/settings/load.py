@@ -264,15 +264,6 @@ def _unknown_setting(name: str, shown: str | None = None) -> ConfigError:
     )
 
 
-def settings_for(app: Any) -> PrioSettings:
-    """The validated settings of an app (``install()`` keeps them; a worker re-reads ``app.conf``)."""
-    cached = getattr(app, "_celery_prio_settings", None)
-    if cached is None:
-        cached = load_settings(app.conf)
-        app._celery_prio_settings = cached
-    return cached
-
-
 def documented_settings() -> list[str]:
     """Setting names as users write them (``prio_<name>``), in the table's order."""
     return [f"prio_{f.name}" for f in fields(PrioSettings)]

@@ -65,7 +65,9 @@ class PrioSettings(QueueNames):
 
     def subqueue_weight(self, queue: str) -> float:
         tier = self.tier_for_queue(queue)
-        sub = None if tier is None else self.subqueue_of(queue, tier)
+        if tier is None:
+            return 1.0
+        sub = self.subqueue_of(queue, tier)
         return 1.0 if sub is None else self.subqueue_weights[tier].get(sub, 1.0)
 
     def subqueue_for_call(self, name: str, args: Any, kwargs: Any, options: Any) -> Any:

@@ -229,7 +229,7 @@ def _ms(value: float | None) -> float | None:
 
 def _counters(app, prefix: str) -> dict[str, int]:
     from ..brokers import adapter_for
-    from ..settings import settings_for
+    from ..runtime import settings_for
 
     adapter = adapter_for(app)
     try:

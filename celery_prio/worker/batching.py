@@ -3,7 +3,7 @@
 When the fetch loop hands over the first message of a batched task, the
 task consumer starts a :class:`BatchRun`: one slot, charged as one run. It
 takes up to ``max_size - 1`` more of the task's waiting calls from its queue
-in one broker call (``FetchSource.take_more``) and, while fewer than
+in one broker call (``BrokerFetchSource.take_more``) and, while fewer than
 ``max_size`` are in hand, waits at most ``max_delay`` for more (a timer on
 the worker's loop, then one more top-up). Each message still goes through
 Celery's own handler: decoding, validation and unknown tasks behave as
@@ -14,7 +14,7 @@ the child) and stores one result per task id; each message is acked on its
 own, when the job is accepted, or when it ends for ``acks_late`` tasks.
 
 A call with an ETA or countdown is not batched: Celery's own strategy runs it
-at its time, as a batch of one (``batching.takes_batches``).
+at its time, as a batch of one (``celery_hooks.takes_batches``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from celery import current_app
 from celery.app.trace import build_tracer, report_internal_error
 from celery.utils.log import get_logger
 
-from ..batching import MAX_BATCH_BYTES, Batch, Call, batch_of, results_of, settle_through_tracer, takes_batches
+from ..batching import (
+    MAX_BATCH_BYTES,
+    Batch,
+    Call,
+    batch_of,
+    batch_run,
+    results_of,
+    settle_through_tracer,
+)
+from ..celery_hooks import takes_batches
 from ..tiers import Tier
 
 logger = get_logger(__name__)
@@ -269,7 +278,7 @@ def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> list
         tracer = _TRACERS[task_name] = build_tracer(task_name, task, app.loader, app=app)
     started = time.monotonic()
     batch = [Call(task_id, tuple(args), kwargs) for task_id, args, kwargs, _ in calls]
-    outcomes = results_of(task._celery_prio_batch_run, batch, task_name)
+    outcomes = results_of(batch_run(task), batch, task_name)
     runtime = time.monotonic() - started  # each call took the batch's time
     settled: list[tuple[int, Any, float]] = []
     for (task_id, args, kwargs, request), outcome in zip(calls, outcomes, strict=True):

@@ -25,9 +25,10 @@ from celery.worker.consumer.control import Control
 from celery.worker.consumer.mingle import Mingle
 from kombu.common import QoS
 
+from ..celery_hooks import notify_when_jobs_end
 from ..policy.routes import check_task_tiers
-from ..runtime import runtime_of
-from ..settings import settings_for
+from ..policy.superseded import Superseded
+from ..runtime import runtime_of, settings_for
 from ..tiers import Tier
 from .foreign_work import forward_unregistered
 from .metrics import serve_metrics
@@ -46,22 +47,26 @@ class PrioTasks(bootsteps.StartStopStep):
     def __init__(self, c: Consumer, **kwargs: Any) -> None:
         c.task_consumer = c.qos = None
         self.collector = None
+        self.connections = 0  # consumer starts in this process: more than one, it reconnected
         super().__init__(c, **kwargs)
 
     def start(self, c: Consumer) -> None:
         settings = settings_for(c.app)
         check_task_tiers(c.app.tasks)  # a task with a bogus tier stops the worker here, loudly
-        fetcher = TierFetcher(c, settings)
+        self.connections += 1
+        superseded = c.superseded if isinstance(c, PrioConsumer) else Superseded()
+        fetcher = TierFetcher(c, settings, superseded, reconnected=self.connections > 1)
+        runtime = fetcher.runtime
         c.update_strategies()
-        fetcher.batcher.install_strategies()  # batched tasks: their calls gather into batches, not the pool
+        runtime.batcher.install_strategies()  # batched tasks: their calls gather into batches, not the pool
         # Celery's ETA path bumps ``c.qos``; with basic_get there is no
         # broker-side window to move, so the setter does nothing.
-        c.qos = QoS(fetcher.qos, fetcher.scheduler.concurrency)
+        c.qos = QoS(fetcher.qos, runtime.scheduler.concurrency)
         c.task_consumer = fetcher
-        runtime = runtime_of(c.app)
-        if runtime is not None and not PrioTasks.changes_logged:  # once per worker, not per reconnect
+        installed = runtime_of(c.app)
+        if installed is not None and not PrioTasks.changes_logged:  # once per worker, not per reconnect
             PrioTasks.changes_logged = True
-            logger.info("celery-prio: install() changed this app's configuration: %s", "; ".join(runtime.changes))
+            logger.info("celery-prio: install() changed this app's configuration: %s", "; ".join(installed.changes))
         if settings.metrics_port is not None:
             if self.collector is None:  # one exporter per worker, kept across reconnects
                 self.collector = serve_metrics(fetcher, c.app, settings.metrics_host, settings.metrics_port)
@@ -69,8 +74,8 @@ class PrioTasks(bootsteps.StartStopStep):
         logger.info(
             "celery-prio: serving %s (concurrency %d; %s; weights %s)",
             ", ".join(q.name for q in fetcher.consumed),
-            fetcher.scheduler.concurrency,
-            reserve_line(fetcher.scheduler.reserve, fetcher.scheduler.concurrency, fetcher.served.tiers),
+            runtime.scheduler.concurrency,
+            reserve_line(runtime.scheduler.reserve, runtime.scheduler.concurrency, runtime.served.tiers),
             {t.label: w for t, w in settings.weights.items()},
         )
 
@@ -89,7 +94,7 @@ class PrioTasks(bootsteps.StartStopStep):
             return {"prefetch_count": "N/A"}
         # Flower reads prefetch_count; the honest figure is the slot bound. Flower shows the other keys
         # as rows of its worker page: one readable line per tier (inspect prio_stats has the full report).
-        return {"prefetch_count": fetcher.scheduler.concurrency, **readable_rows(fetcher.report())}
+        return {"prefetch_count": fetcher.runtime.scheduler.concurrency, **readable_rows(fetcher.report())}
 
 
 def reserve_line(reserve: int, concurrency: int, served: list[Tier]) -> str:
@@ -143,7 +148,12 @@ class PrioConsumer(Consumer):
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         fetcher = self.task_consumer
-        if isinstance(fetcher, TierFetcher) and not message.acknowledged and forward_unregistered(fetcher, message):
+        forwarded = (
+            isinstance(fetcher, TierFetcher)
+            and not message.acknowledged
+            and forward_unregistered(fetcher.runtime, message)
+        )
+        if forwarded:
             return  # another app's task (or a newer version's): now in its own queue, for a worker that has it
         self._dead_letter(message, f"unregistered task: {exc}")
         super().on_unknown_task(body, message, exc)
@@ -157,6 +167,10 @@ class PrioConsumer(Consumer):
         super().on_decode_error(message, exc)
 
     def __init__(self, on_task_request: Any, *args: Any, pool: Any = None, **kwargs: Any) -> None:
+        #: This worker's memory of boosts on RabbitMQ (which task copies are stale): kept across reconnects,
+        #: written by the ``prio_supersede`` control command and read by every fetch.
+        self.superseded = Superseded()
+
         def on_task_request_tracked(request: Any) -> Any:
             fetcher = self.task_consumer
             if isinstance(fetcher, TierFetcher):
@@ -164,38 +178,14 @@ class PrioConsumer(Consumer):
             return on_task_request(request)
 
         if pool is not None:
-            _notify_when_jobs_end(pool, self)
+            notify_when_jobs_end(pool, self._slot_freed)
         super().__init__(on_task_request_tracked, *args, pool=pool, **kwargs)
 
-
-def _notify_when_jobs_end(pool: Any, consumer: Consumer) -> None:
-    """Wrap ``pool.apply_async`` so the fetcher hears when a job leaves its slot.
-
-    Installed before the task strategies are built (they capture
-    ``pool.apply_async``), so every request Celery runs goes through it.
-    """
-    apply_async = pool.apply_async
-
-    def notify(callback: Any) -> Any:
-        def called(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return callback(*args, **kwargs)
-            finally:
-                fetcher = consumer.task_consumer
-                if isinstance(fetcher, TierFetcher):
-                    fetcher.slot_freed()
-
-        return called
-
-    def apply_async_notifying(*args: Any, callback: Any = None, error_callback: Any = None, **kwargs: Any) -> Any:
-        return apply_async(
-            *args,
-            callback=notify(callback) if callback else None,
-            error_callback=notify(error_callback) if error_callback else None,
-            **kwargs,
-        )
-
-    pool.apply_async = apply_async_notifying
+    def _slot_freed(self) -> None:
+        """A pool job left its slot (any thread): the fetcher settles and refills it."""
+        fetcher = self.task_consumer
+        if isinstance(fetcher, TierFetcher):
+            fetcher.slot_freed()
 
 
 __all__ = ["PrioConsumer", "PrioTasks", "TierFetcher"]

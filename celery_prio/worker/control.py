@@ -13,7 +13,6 @@ from typing import Any
 from celery.utils.log import get_logger
 from celery.worker.control import control_command, inspect_command
 
-from ..policy.superseded import superseded
 from ..runtime import runtime_of
 from ..signing import NO_KEY, app_boost_key, sign, verified
 from .gpus import worker_gpus
@@ -69,9 +68,10 @@ def prio_supersede(
     signed too, so that the booster counts only this app's workers.
     """
     runtime = runtime_of(state.app)
-    settings = runtime.settings if runtime is not None else None
-    if settings is None:
+    superseded = getattr(getattr(state, "consumer", None), "superseded", None)  # PrioConsumer's records
+    if runtime is None or superseded is None:
         return {"error": "this worker does not run celery-prio"}
+    settings = runtime.settings
     prefix = settings.queue_prefix
     key = app_boost_key(state.app, settings)
     action = "retract" if retract else "commit" if commit else "pending"

@@ -7,7 +7,7 @@
   on workers that serve that tier's queue.
 * **Another app's task.** Apps sharing a broker share the tier queues. A
   worker that fetches a task it has not registered, but that some worker of
-  the fleet has (the broker's task directory, ``FetchSource.announce_tasks``),
+  the fleet has (the broker's task directory, ``BrokerFetchSource.announce_tasks``),
   moves it to that task's own queue in its tier (:func:`forward_unregistered`),
   which only workers that registered the task serve
   (``ServedQueues.set_registered``), instead of dead-lettering it. A name no
@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from celery.utils.log import get_logger
 from kombu import Exchange, Queue
 
-from ..brokers.base import FetchSource
+from ..brokers.base import BrokerFetchSource
 from ..policy.served import ServedQueues
 from ..runtime import runtime_of
 from ..settings import PrioSettings
@@ -33,15 +34,21 @@ logger = get_logger(__name__)
 LEGACY_CHECK_INTERVAL = 5.0
 
 
+class Runtime(Protocol):
+    """What this module needs of ``worker_runtime.WorkerRuntime``."""
+
+    app: Any  # the Celery app
+    settings: PrioSettings
+    source: BrokerFetchSource
+    served: ServedQueues
+    loop: FetchLoop
+
+
 class TierFetcher(Protocol):
     """What this module needs of ``task_consumer.TierFetcher``."""
 
-    c: Any  # Celery's Consumer
-    settings: PrioSettings
     consumed: list[Queue]
-    source: FetchSource
-    served: ServedQueues
-    loop: FetchLoop
+    runtime: Runtime
 
     def consuming_from(self, queue: Any) -> bool: ...
     def add_queue(self, queue: Queue) -> Queue: ...
@@ -62,13 +69,13 @@ class LegacyQueues:
         ``-Q``/``add_consumer`` named (the operator's choice stands), and only on a worker that serves the
         default tier's queue."""
         fetcher = self.fetcher
-        settings = fetcher.settings
-        runtime = runtime_of(fetcher.c.app)
+        settings, source = fetcher.runtime.settings, fetcher.runtime.source
+        runtime = runtime_of(fetcher.runtime.app)
         named = {q.name for q in fetcher.consumed} - self.draining
         names = [n for n in (runtime.legacy_queues if runtime else ()) if n not in named]
         if not names or not fetcher.consuming_from(settings.queue_name(settings.default_tier)):
             return
-        for name, depth in zip(names, fetcher.source.queue_depths(names), strict=True):
+        for name, depth in zip(names, source.queue_depths(names), strict=True):
             if depth > 0 and name not in self.draining:
                 logger.warning(
                     "celery-prio: %d message(s) wait in %s, where producers without celery-prio publish: "
@@ -83,32 +90,32 @@ class LegacyQueues:
                 fetcher.cancel_by_queue(name)
 
 
-def announce_tasks(fetcher: TierFetcher) -> None:
+def announce_tasks(source: BrokerFetchSource, tasks: Iterable[str]) -> None:
     """The fleet's task directory learns what this worker can run (another app's worker then moves such a task
     to its own queue instead of dead-lettering it)."""
     try:
-        fetcher.source.announce_tasks(sorted(fetcher.c.app.tasks))
+        source.announce_tasks(sorted(tasks))
     except Exception:  # never fatal: without it, such tasks are dead-lettered as before
         logger.warning("celery-prio: could not record this worker's tasks in the broker", exc_info=True)
 
 
-def forward_unregistered(fetcher: TierFetcher, message: Any) -> str | None:
-    """Re-publish a task ``fetcher``'s worker has not registered to its task's own queue in its tier
+def forward_unregistered(worker: Runtime, message: Any) -> str | None:
+    """Re-publish a task the ``worker`` has not registered to its task's own queue in its tier
     (``<tier>.sjf-<task>``), then ack it here. The queue's name, or None where it cannot go there (already
     in its own queue, no task name, the broker refused): the caller dead-letters it, as before."""
     headers = message.headers or {}
     name = headers.get("task")
     queue = getattr(message, "prio_queue", None) or (message.delivery_info or {}).get("routing_key") or ""
-    app, settings = fetcher.c.app, fetcher.settings
+    app, settings = worker.app, worker.settings
     runtime = runtime_of(app)
-    if not isinstance(name, str) or not name or runtime is None or not fetcher.source.fleet_knows_task(name):
+    if not isinstance(name, str) or not name or runtime is None or not worker.source.fleet_knows_task(name):
         return None  # a name no worker of the fleet ever registered: bad input, dead-lettered as always
-    tier = fetcher.loop.fetching or fetcher.served.tier_of(queue)
+    tier = worker.loop.fetching or worker.served.tier_of(queue)
     own = settings.sjf_subqueue(name)
     if settings.subqueue_of(queue, tier) == own:
         return None
     try:
-        target = runtime.publishing.subqueue(app, settings, tier, own)
+        target = runtime.publishing.subqueue(tier, own)
         with app.producer_or_acquire() as producer:  # confirmed on RabbitMQ, the capped push on Redis
             producer.publish(
                 message.body,

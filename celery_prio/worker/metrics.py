@@ -93,7 +93,7 @@ class PrioCollector:
         for tier, value in self._depths().items():
             depth.add_metric([tier], value)
         yield depth
-        stats = self.fetcher.stats
+        stats = self.fetcher.runtime.stats
         for name, attr, doc in (
             ("wait_seconds", "wait_hist", "Queue wait, enqueue stamp to dispatch"),
             ("run_seconds", "run_hist", "Slot time per task"),

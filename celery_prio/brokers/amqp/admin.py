@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
-import threading
 from typing import Any
 
 from amqp.exceptions import NotFound
@@ -14,7 +12,7 @@ from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import death_records
 from ..base import Broker
-from .management import management_client
+from .management import listed_subqueues, management_client
 from .registry import existing_depths, read_registry, serving_counts
 from .topology import declare_subqueue
 
@@ -134,28 +132,6 @@ class AmqpAdapter(Broker):
         self.connection.release()
 
 
-_refusal_lock = threading.Lock()
-
-
-def refusal_figures(app: Any, settings: PrioSettings, tier: Tier, queue: str | None = None) -> tuple[int | None, float]:
-    """Depth (of ``queue``: the tier's own or the sub-queue refused) and drain rate of a tier, for ``QueueFull``.
-
-    One adapter (one AMQP connection) is kept per app for this, and one
-    management client per endpoint: a burst of refusals opens nothing new.
-    """
-    with _refusal_lock:
-        adapter = app.__dict__.get("_celery_prio_refusal_adapter")
-        try:
-            if adapter is None:
-                adapter = app._celery_prio_refusal_adapter = AmqpAdapter(app)
-            depth: int | None = adapter.depth(queue or settings.queue_name(tier))
-        except Exception as exc:  # the refusal itself must still reach the caller
-            logger.warning("celery-prio: could not read the depth of %s: %r", queue or settings.queue_name(tier), exc)
-            app._celery_prio_refusal_adapter = None
-            depth = None
-    return depth, tier_drain_rate(app, settings, tier)
-
-
 def tier_drain_rate(app: Any, settings: PrioSettings, tier: Tier) -> float:
     return management_client(app, settings).drain_rate(settings.queue_name(tier))
 
@@ -192,14 +168,3 @@ def describe_dead(headers: Any) -> dict[str, Any]:
         "queue": dead_origin(headers),
         "at": when if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
     }
-
-
-def subqueue_pattern(settings: PrioSettings) -> str:
-    """Regex of this app's sub-queue names (``<prefix>.<tier>.<name>``, not the front lanes)."""
-    tiers = "|".join(re.escape(settings.queue_name(t)) for t in TIERS)
-    return rf"^({tiers})\.(?!promoted$)[A-Za-z0-9][A-Za-z0-9_-]{{0,63}}$"
-
-
-def listed_subqueues(app: Any, settings: PrioSettings) -> list[tuple[str, int | None]] | None:
-    """This app's sub-queues and their ready counts from the management API; None when it cannot list."""
-    return management_client(app, settings).list_queues(subqueue_pattern(settings))

@@ -57,9 +57,10 @@ from ...policy.superseded import PENDING_FOR
 from ...settings import PrioSettings
 from ...signing import NO_KEY, app_boost_key, sign, verified
 from ...tiers import Tier
-from ..base import Boost, Booster
+from ..base import Boost
+from ..publishing import Booster
 from ..shared import boost_lane, tier_full
-from .continuations import _aging_expiration
+from .continuations import aging_expiration
 from .registry import passive_declares, read_to_marker
 
 logger = logging.getLogger(__name__)
@@ -170,23 +171,22 @@ class RecentPublishes:
             return self._entries.get(task_id)
 
 
-#: This process's memory (publish signals are process-wide).
-recent_publishes = RecentPublishes()
-
-
 class _AllAnswered(Exception):
     """Raised from the reply callback to stop collecting once every counted worker answered."""
 
 
 class AmqpBooster(Booster):
-    def __init__(self, waiting: Callable[[Any, PrioSettings, Tier], int]) -> None:
+    def __init__(self, publisher: Any, waiting: Callable[[Tier], int], recent: RecentPublishes) -> None:
+        super().__init__(publisher)
         self._lock = threading.Lock()  # one boost at a time: concurrent boosts of one id publish one copy
         # Messages waiting in a tier (its queue, front lane and sub-queues): what a boost into it counts against
         # the tier's cap (``AmqpContinuations.waiting``, which sliced tasks ask too).
         self.waiting = waiting
+        self.recent = recent  # what this process published of the app's batch/offline tasks
 
-    def lift(self, app: Any, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
-        published = recent_publishes.get(task_id)
+    def lift(self, task_id: str, tier: Tier) -> Boost | None:
+        app, settings = self.app, self.settings
+        published = self.recent.get(task_id)
         if published is None:
             return None
         lane = boost_lane(settings, tier)
@@ -197,7 +197,7 @@ class AmqpBooster(Booster):
             if published.tier <= tier:
                 return Boost("already", task_id, tier, published.tier, detail="published or boosted at this tier")
             cap = settings.max_length[tier]
-            if cap is not None and self.waiting(app, settings, tier) >= cap:
+            if cap is not None and self.waiting(tier) >= cap:
                 return Boost("refused", task_id, tier, published.tier, detail=tier_full(tier, cap))
             generation = published.generation + 1
             channel = conn.channel()
@@ -213,7 +213,7 @@ class AmqpBooster(Booster):
             history = headers.get(BOOSTED_HEADER)
             headers[BOOSTED_HEADER] = [*(history if isinstance(history, list) else []), published.tier.label]
             headers[BOOST_GENERATION_HEADER] = {"gen": generation}
-            properties = {**published.properties, **_aging_expiration(settings, tier, headers.get(ENQUEUED_HEADER))}
+            properties = {**published.properties, **aging_expiration(settings, tier, headers.get(ENQUEUED_HEADER))}
             try:
                 with app.producer_or_acquire() as producer:
                     producer.publish(

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import QueueFull
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import BulkSession
+from ..publishing import BulkSession
 from ..shared import fast_json
-from .admin import refusal_figures
 
 
 class AmqpBulkSession(BulkSession):
@@ -23,8 +23,17 @@ class AmqpBulkSession(BulkSession):
 
     CONFIRM_TIMEOUT = 60.0
 
-    def __init__(self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        connection: Any,
+        settings: PrioSettings,
+        tier: Tier,
+        queue: str | None,
+        refusal_figures: Callable[[Tier, str | None], tuple[int | None, float]],
+    ) -> None:
         super().__init__(app, connection, settings, tier, queue)
+        self.refusal_figures = refusal_figures  # the app publisher's: one connection for every refusal
         # The tier queue through its own exchange (as apply_async); a sub-queue through the default one.
         self.exchange = self.queue if queue is None else ""
         self.connection = connection
@@ -131,5 +140,5 @@ class AmqpBulkSession(BulkSession):
         return min(wanted, max(1, self.cap - depth))
 
     def queue_full(self, accepted: int) -> QueueFull:
-        depth, rate = refusal_figures(self.app, self.settings, self.tier, self.queue)
+        depth, rate = self.refusal_figures(self.tier, self.queue)
         return QueueFull.from_drain_rate(self.tier, depth, rate)

@@ -24,7 +24,7 @@ from typing import Any
 from ...headers import SLICE_GENERATION, SLICE_ID
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import Continuation, Continuations
+from ..publishing import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, tier_queues
 from .registry import read_to_marker
 
@@ -61,15 +61,15 @@ class AmqpContinuations(ProcessConnection, Continuations):
 
     _follower: Any = None
 
-    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+    def list_subqueues(self) -> list[str]:
         """The registry's sub-queues (they exist: declared before they were announced), followed on this
         process's connection: its first call reads what is there, later ones only what arrived since."""
         from .registry import RegistryFollower
 
-        conn = self.connection(app)
+        conn = self.connection()
         follower, quiet = self._follower, 0.002  # what arrived since is in the socket's buffer already
         if follower is None or follower.connection is not conn or follower.pid != os.getpid():
-            follower, quiet = RegistryFollower(settings), 0.05
+            follower, quiet = RegistryFollower(self.settings), 0.05
             follower.start(conn.connection)
             follower.connection, follower.pid = conn, os.getpid()
             self._follower = follower
@@ -81,8 +81,8 @@ class AmqpContinuations(ProcessConnection, Continuations):
             raise
         return list(follower.names)
 
-    def _with_channel(self, app: Any, work: Callable[[Any], Any]) -> Any:
-        conn = self.connection(app)
+    def _with_channel(self, work: Callable[[Any], Any]) -> Any:
+        conn = self.connection()
         try:
             channel = conn.channel()
             try:
@@ -94,10 +94,11 @@ class AmqpContinuations(ProcessConnection, Continuations):
             self.forget()
             raise
 
-    def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
+    def publish(self, continuation: Continuation) -> None:
         from kombu import Producer
 
-        options = _aging_expiration(settings, continuation.tier, continuation.enqueued_at)
+        settings = self.settings
+        options = aging_expiration(settings, continuation.tier, continuation.enqueued_at)
         record = {SLICE_ID: continuation.task_id, SLICE_GENERATION: continuation.generation, "at": time.time()}
 
         def work(channel: Any) -> None:
@@ -111,9 +112,9 @@ class AmqpContinuations(ProcessConnection, Continuations):
             )
             channel.tx_commit()
 
-        self._with_channel(app, work)
+        self._with_channel(work)
 
-    def committed(self, app: Any, settings: PrioSettings, task_id: str, since: float = 0) -> int:
+    def committed(self, task_id: str, since: float = 0) -> int:
         """The highest generation the journal holds for ``task_id`` (read to its end: exact, and costs a read
         of the journal from ``since`` on, or all of it; asked only after a crash)."""
         highest = 0
@@ -124,7 +125,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
             if headers.get(SLICE_ID) == task_id and isinstance(generation, int) and not isinstance(generation, bool):
                 highest = max(highest, generation)
 
-        conn = self.connection(app)
+        settings, conn = self.settings, self.connection()
         try:
             read_to_marker(
                 conn.connection,
@@ -139,17 +140,15 @@ class AmqpContinuations(ProcessConnection, Continuations):
             raise
         return highest
 
-    def stale(
-        self, app: Any, settings: PrioSettings, task_id: str, generation: int, redelivered: bool, since: float = 0
-    ) -> bool:
+    def stale(self, task_id: str, generation: int, redelivered: bool, since: float = 0) -> bool:
         # A copy that never went back to its queue is the one the last run published: never stale.
-        return redelivered and self.committed(app, settings, task_id, since) > generation
+        return redelivered and self.committed(task_id, since) > generation
 
-    def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+    def waiting(self, tier: Tier) -> int:
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""
         from amqp.exceptions import NotFound
 
-        names = tier_queues(settings, tier, self.subqueues(app, settings))
+        names = tier_queues(self.settings, tier, self.subqueues())
 
         def work(channel: Any) -> int:
             total = 0
@@ -160,10 +159,10 @@ class AmqpContinuations(ProcessConnection, Continuations):
                     break
             return total
 
-        return self._with_channel(app, work)
+        return self._with_channel(work)
 
 
-def _aging_expiration(settings: PrioSettings, tier: Tier, enqueued_at: Any) -> dict[str, float]:
+def aging_expiration(settings: PrioSettings, tier: Tier, enqueued_at: Any) -> dict[str, float]:
     """RabbitMQ ages by time in queue: the continuation expires (is promoted) when the first publish would have."""
     threshold = settings.aging[tier]
     if threshold is None or not isinstance(enqueued_at, (int, float)):

@@ -12,9 +12,9 @@ from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import MAX_ANNOUNCED_TASKS, FetchSource, Take
-from .admin import listed_subqueues
+from ..base import MAX_ANNOUNCED_TASKS, BrokerFetchSource, Take
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
+from .management import listed_subqueues
 from .registry import Presence, RegistryFollower, existing_depths, serving_counts
 from .topology import declare_subqueue, declare_tier_queues, quorum_arguments
 
@@ -49,7 +49,7 @@ def _empty_tiers(asked: list[tuple[Tier, str]], before: Tier | None) -> tuple[Ti
     return tuple(out)
 
 
-class AmqpFetchSource(FetchSource):
+class AmqpFetchSource(BrokerFetchSource):
     """The worker's RabbitMQ side: ``basic_get`` per queue, guarded.
 
     What cannot be read goes to the dead letters (published with a confirm
@@ -68,7 +68,7 @@ class AmqpFetchSource(FetchSource):
         self._listed_empty: set[str] = set()
         self._listed: list[str] = []  # sub-queues the management API listed (where it answers)
         self._listing_retry_at = 0.0
-        # Sub-queues found through the registry stream (pushed: brokers/amqp_registry.py), declared here
+        # Sub-queues found through the registry stream (pushed: brokers/amqp/registry.py), declared here
         # on the loop before they are asked; and this worker's presence in the tiers it serves.
         self.follower = RegistryFollower(settings, on_new=lambda names: self.on_arrival())
         self._absorbed = -1  # ``follower.version`` whose names are served

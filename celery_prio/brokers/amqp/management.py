@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import threading
 import time
 import urllib.parse
@@ -26,6 +27,9 @@ from base64 import b64encode
 from typing import Any
 
 from kombu.utils.url import url_to_parts
+
+from ...settings import PrioSettings
+from ...tiers import TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +239,14 @@ def management_client(app: Any, settings: Any) -> ManagementClient:
                 logger.error("celery-prio: %s", problem)
             client = _clients[tuple(key)] = ManagementClient(*key)
         return client
+
+
+def subqueue_pattern(settings: PrioSettings) -> str:
+    """Regex of this app's sub-queue names (``<prefix>.<tier>.<name>``, not the front lanes)."""
+    tiers = "|".join(re.escape(settings.queue_name(t)) for t in TIERS)
+    return rf"^({tiers})\.(?!promoted$)[A-Za-z0-9][A-Za-z0-9_-]{{0,63}}$"
+
+
+def listed_subqueues(app: Any, settings: PrioSettings) -> list[tuple[str, int | None]] | None:
+    """This app's sub-queues and their ready counts from the management API; None when it cannot list."""
+    return management_client(app, settings).list_queues(subqueue_pattern(settings))

@@ -4,6 +4,7 @@ sub-queues announced on the registry stream, continuations, boost and bulk sessi
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any
 
@@ -12,24 +13,29 @@ from kombu import Queue
 from ...errors import ConfigError, QueueFull
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ..base import BulkSession, Publisher
+from ..publishing import BulkSession, Publisher
+
+logger = logging.getLogger(__name__)
 
 
 class AmqpPublisher(Publisher):
     kind = "amqp"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, app: Any) -> None:
+        super().__init__(app)
         self._declared = threading.Event()
+        self._refusal_lock = threading.Lock()
+        self._refusal_adapter: Any = None  # one AMQP connection for the figures of refusals (see ``refusal``)
 
-    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+    def introduce_subqueue(self, tier: Tier, name: str) -> None:
         # Declared with the tier's aging and the sub-queue's cap, then appended to the registry stream
-        # that every worker follows (brokers/amqp_registry.py): no management API needed.
+        # that every worker follows (brokers/amqp/registry.py): no management API needed.
         from .registry import announce
         from .topology import declare_subqueue
 
-        self.before_send(app, settings)
-        with app.connection_for_write() as conn:
+        settings = self.settings
+        self.before_send()
+        with self.app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=3)
             channel = declare_subqueue(conn.channel(), settings, tier, name)
             announce(channel, settings, name)
@@ -38,7 +44,7 @@ class AmqpPublisher(Publisher):
     def continuations(self) -> Any:
         from .continuations import AmqpContinuations
 
-        return AmqpContinuations()
+        return AmqpContinuations(self)
 
     boost_not_found = (
         "not among the tasks this process published lately: on RabbitMQ a task is boosted from the process "
@@ -49,19 +55,31 @@ class AmqpPublisher(Publisher):
     def booster(self) -> Any:
         from .boost import AmqpBooster
 
-        return AmqpBooster(self.continuations.waiting)
+        return AmqpBooster(self, self.continuations.waiting, self.recent_publishes)
 
-    def remember_publishes(self, settings: PrioSettings) -> None:
-        """Keep this process's recent batch/offline messages: what a boost here republishes."""
+    @functools.cached_property
+    def recent_publishes(self) -> Any:
+        """This app's recent batch/offline messages published by this process: what a boost here republishes."""
+        from .boost import RecentPublishes
+
+        return RecentPublishes()
+
+    def remember_publishes(self) -> None:
         from celery import signals
 
-        from .boost import recent_publishes
+        recent = self.recent_publishes
+        recent.watch(self.settings)
+        uid = f"prio.recent.{id(self)}"  # one receiver per app's publisher (signals dispatch by uid)
+        signals.before_task_publish.connect(recent.before_publish, weak=False, dispatch_uid=uid)
+        signals.after_task_publish.connect(recent.after_publish, weak=False, dispatch_uid=uid)
 
-        recent_publishes.watch(settings)
-        signals.before_task_publish.connect(recent_publishes.before_publish, weak=False, dispatch_uid="prio.recent")
-        signals.after_task_publish.connect(recent_publishes.after_publish, weak=False, dispatch_uid="prio.recent")
+    def bind(self, settings: PrioSettings) -> None:
+        super().bind(settings)
+        if "recent_publishes" in self.__dict__:
+            self.recent_publishes.watch(settings)
 
-    def check(self, settings: PrioSettings) -> None:
+    def check(self) -> None:
+        settings = self.settings
         tier = Tier.BATCH  # the only tier that both receives promotions and can age
         if settings.overflow[tier] == "drop_oldest" and settings.aging[tier] is not None:
             raise ConfigError(
@@ -71,12 +89,13 @@ class AmqpPublisher(Publisher):
                 f"prio_aging[{tier.label}]=None"
             )
 
-    def queues(self, settings: PrioSettings) -> list[Queue]:
+    def queues(self) -> list[Queue]:
         from .topology import tier_queue  # carries the capacity and aging queue arguments
 
-        return [tier_queue(settings, tier) for tier in TIERS]
+        return [tier_queue(self.settings, tier) for tier in TIERS]
 
-    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+    def configure(self, options: dict[str, Any]) -> None:
+        settings = self.settings
         if any(settings.max_length[t] is not None and settings.overflow[t] == "reject" for t in TIERS):
             # A full reject-publish queue only tells a publisher that uses confirms
             # (one broker round trip per publish: the price of never losing one).
@@ -86,35 +105,50 @@ class AmqpPublisher(Publisher):
             # a majority of the queue's nodes have it, which only a confirm tells.
             options["confirm_publish"] = True
 
-    def before_send(self, app: Any, settings: PrioSettings) -> None:
+    def before_send(self) -> None:
         if not self._declared.is_set():
             from .topology import declare_tier_queues
 
-            with app.connection_for_write() as conn:
+            with self.app.connection_for_write() as conn:
                 conn.ensure_connection(max_retries=3)
-                declare_tier_queues(conn.channel(), settings)
+                declare_tier_queues(conn.channel(), self.settings)
             self._declared.set()
 
-    def new_bulk_session(
-        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
-    ) -> BulkSession:
+    def new_bulk_session(self, connection: Any, tier: Tier, queue: str | None) -> BulkSession:
         from .bulk import AmqpBulkSession
 
-        self.before_send(app, settings)
-        return AmqpBulkSession(app, connection, settings, tier, queue)
+        self.before_send()
+        return AmqpBulkSession(self.app, connection, self.settings, tier, queue, self.refusal_figures)
 
-    def refusal(
-        self, app: Any, settings: PrioSettings, tier: Tier, queue: str | None, exc: BaseException
-    ) -> QueueFull | None:
+    def refusal(self, tier: Tier, queue: str | None, exc: BaseException) -> QueueFull | None:
         from amqp.exceptions import MessageNacked
-
-        from .admin import refusal_figures
 
         seen = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, MessageNacked):
-                depth, rate = refusal_figures(app, settings, tier, queue)
+                depth, rate = self.refusal_figures(tier, queue)
                 return QueueFull.from_drain_rate(tier, depth, rate)
             seen.add(id(exc))
             exc = exc.__cause__ or exc.__context__
         return None
+
+    def refusal_figures(self, tier: Tier, queue: str | None = None) -> tuple[int | None, float]:
+        """Depth (of ``queue``: the tier's own or the sub-queue refused) and drain rate of a tier, for ``QueueFull``.
+
+        One adapter (one AMQP connection) is kept per app for this, and one management client per endpoint:
+        a burst of refusals opens nothing new.
+        """
+        from .admin import AmqpAdapter, tier_drain_rate
+
+        settings = self.settings
+        name = queue or settings.queue_name(tier)
+        with self._refusal_lock:
+            try:
+                if self._refusal_adapter is None:
+                    self._refusal_adapter = AmqpAdapter(self.app)
+                depth: int | None = self._refusal_adapter.depth(name)
+            except Exception as exc:  # the refusal itself must still reach the caller
+                logger.warning("celery-prio: could not read the depth of %s: %r", name, exc)
+                self._refusal_adapter = None
+                depth = None
+        return depth, tier_drain_rate(self.app, settings, tier)

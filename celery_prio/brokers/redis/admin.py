@@ -7,34 +7,18 @@ import logging
 from typing import Any
 
 from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
-from ...policy.aging import plan_promotions
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ...untrusted import decode_redis_element, enqueue_age
+from ...untrusted import decode_redis_element
 from ..base import Broker
+from . import figures
+from .aging import AGING_WINDOW, RedisAging
 from .scripts import (
-    DEAD_HEAD,
     DEAD_REQUEUE,
-    PROMOTE,
-    SCRIPT_BYTES,
-    STAMP,
 )
 from .transport import drain_rate, registered_subqueues
 
 logger = logging.getLogger(__name__)
-
-#: How many of the oldest elements one aging look reads (and may stamp).
-AGING_WINDOW = 100
-
-#: Garbage one aging pass moves aside at most: a pass stays short, the next goes on.
-MAX_DEAD_PER_PASS = 1000
-
-#: A worker whose last heartbeat (every second) is older than this no longer counts as serving its tiers.
-PRESENCE_FRESH = 5.0
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class RedisAdapter(Broker):
@@ -48,12 +32,7 @@ class RedisAdapter(Broker):
             # The transport's own client: same URL, password, SSL and db as Celery uses.
             client = self.connection.default_channel.client
         self.client = client
-        self._promote = self.client.register_script(PROMOTE)
-        self._stamp = self.client.register_script(STAMP)
-        self._dead_head = self.client.register_script(DEAD_HEAD)
-        # Per source list: how deep the stamping look has reached beyond the head window.
-        self._stamp_cursor: dict[str, int] = {}
-        self._aging_window: dict[str, int] = {}  # per list: elements an aging look reads (bounded by bytes)
+        self.aging = RedisAging(client)
 
     def depth(self, queue: str) -> int:
         return int(self.client.llen(queue))
@@ -62,21 +41,7 @@ class RedisAdapter(Broker):
         return registered_subqueues(self.client, settings.subqueue_registry)
 
     def serving(self, settings: PrioSettings) -> dict[Tier, int]:
-        """Live workers per tier: a fresh heartbeat, and the tiers it last said it serves."""
-        now = self.client.time()
-        now = now[0] + now[1] / 1e6
-        beats = self.client.hgetall(settings.heartbeats_key)
-        out = dict.fromkeys(TIERS, 0)
-        for worker, tiers in self.client.hgetall(settings.serving_key).items():
-            try:
-                alive = now - float(beats.get(worker, b"0")) <= PRESENCE_FRESH
-            except ValueError:  # anyone can write to Redis: an unreadable beat is no live worker
-                alive = False
-            for label in _text(tiers).split(",") if alive else ():
-                tier = next((t for t in TIERS if t.label == label), None)
-                if tier is not None:
-                    out[tier] += 1
-        return out
+        return figures.serving(self.client, settings)
 
     def delete_queues(self, queues: list[str]) -> None:
         for name in queues:
@@ -84,14 +49,7 @@ class RedisAdapter(Broker):
 
     # -- capacity bookkeeping -----------------------------------------------
     def counters(self, settings: PrioSettings) -> dict[str, int]:
-        """Broker-wide counters; a field that is not a whole number is skipped, not fatal."""
-        out = {}
-        for key, value in self.client.hgetall(settings.stats_key).items():
-            try:
-                out[_text(key)] = int(value)
-            except ValueError:
-                continue
-        return out
+        return figures.counters(self.client, settings)
 
     def drain_rate(self, settings: PrioSettings, tier: Tier) -> float:
         return drain_rate(self.client, settings.stats_key, tier.label)
@@ -140,95 +98,15 @@ class RedisAdapter(Broker):
     def promote_aged(
         self, settings: PrioSettings, tier: Tier, now: float, batch: int = AGING_WINDOW, source: str | None = None
     ) -> int:
-        """Move due messages of ``tier`` (its queue, or ``source``: one of its sub-queues) into the upper
-        tier's front lane; returns how many moved. A sub-queue's messages go to the front lane too: they
-        have waited long enough for their tenant's turn in the upper tier not to matter."""
-        threshold = settings.aging[tier]
-        if threshold is None or tier is Tier.REALTIME:
-            return 0
-        source = source or settings.queue_name(tier)
-        upper = settings.queue_name(tier.promoted())
-        promoted = upper + PROMOTED_SUFFIX
-        cap = settings.max_length[tier.promoted()]
-        moved = dead = 0
-        batch = self._window_for(source, batch)
-        for _ in range(10_000):  # bounded: a pass ends even if producers outpace it
-            oldest_first = self.client.lrange(source, -batch, -1)[::-1]
-            self._learn_window(source, oldest_first, AGING_WINDOW)
-            plan = plan_promotions(oldest_first, tier, promoted, threshold, now)
-            if plan.dead_heads:
-                args: list[Any] = [tier.label, now]
-                for raw, reason in plan.dead_heads:
-                    args += [raw, reason]
-                done = int(self._dead_head(keys=[source, settings.dead_letter_queue, settings.stats_key], args=args))
-                dead += done
-                if done < len(plan.dead_heads) or dead >= MAX_DEAD_PER_PASS:
-                    break  # someone else moved them, or enough garbage for one pass: the next pass goes on
-                continue
-            if plan.stamps:
-                self._stamp_all(source, plan.stamps)
-            if not plan.originals:
-                if not plan.stamps and len(oldest_first) == batch and moved == 0:
-                    # Only on passes that promoted nothing: a promoting pass is busy enough.
-                    self._stamp_deeper(source, tier, now, batch)
-                break
-            n = len(plan.originals)
-            done = int(
-                self._promote(
-                    keys=[source, promoted, upper, settings.stats_key, settings.bell_key(tier.promoted())],
-                    args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
-                )
-            )
-            moved += done
-            if done < n or n < len(oldest_first) or len(oldest_first) < batch:
-                break  # another ager got there first, the upper tier is full, or the due run ended
-        return moved
-
-    def _window_for(self, source: str, most: int) -> int:
-        """Elements one aging look at ``source`` reads: ``most``, fewer where its messages are big, so a
-        look (and the promote call carrying originals and copies) stays near ``SCRIPT_BYTES``. The first
-        look at a list is sized by its oldest element."""
-        window = self._aging_window.get(source)
-        if window is None:
-            head = self.client.lindex(source, -1)
-            window = _fitting(len(head) if head else 1, most)
-        return min(window, most)
-
-    def _learn_window(self, source: str, elements: list[bytes], most: int) -> None:
-        if elements:
-            self._aging_window[source] = _fitting(sum(len(e) for e in elements) / len(elements), most)
-
-    def _stamp_all(self, source: str, stamps: list[tuple[int, bytes, str]]) -> None:
-        args: list[Any] = []
-        for index, original, stamped in stamps:
-            args += [-1 - index, original, stamped]
-        self._stamp(keys=[source], args=args)
-
-    def _stamp_deeper(self, source: str, tier: Tier, now: float, batch: int) -> None:
-        """Stamp one more window behind the head, a window per pass, so a deep unstamped backlog starts aging."""
-        offset = self._stamp_cursor.get(source, batch)
-        window = self.client.lrange(source, -(offset + batch), -(offset + 1))[::-1]
-        plan = plan_promotions(window, tier, "", float("inf"), now, offset=offset)
-        if plan.stamps:
-            self._stamp_all(source, plan.stamps)
-        self._stamp_cursor[source] = offset + batch if len(window) == batch else batch
+        """One aging pass over ``tier`` (or ``source``, one of its sub-queues): see ``aging.RedisAging``."""
+        return self.aging.promote_aged(settings, tier, now, batch, source)
 
     def oldest_age(self, queue: str, now: float) -> float | None:
-        """Seconds the oldest waiting message of ``queue`` has waited (None if empty, unstamped or malformed)."""
-        raw = self.client.lindex(queue, -1)
-        if raw is None:
-            return None
-        message, _ = decode_redis_element(raw)
-        return None if message is None else enqueue_age(message.get("headers"), now)
+        return figures.oldest_age(self.client, queue, now)
 
     def close(self) -> None:
         if self.connection is not None:
             self.connection.release()
-
-
-def _fitting(element_bytes: float, most: int) -> int:
-    """How many elements of about ``element_bytes`` fit in ``SCRIPT_BYTES`` (1 to ``most``)."""
-    return max(1, min(most, int(SCRIPT_BYTES // max(element_bytes, 1.0))))
 
 
 def describe_dead_entry(raw: bytes) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from ...headers import BOOSTED_HEADER
 from ...policy.aging import readdress
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ..base import Boost, Booster
+from ..base import Boost
+from ..publishing import Booster
 from ..shared import boost_lane, tier_full, tier_queues
 from .continuations import RedisContinuations
 from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
@@ -33,7 +34,8 @@ HELD_PAGE = 500
 
 
 class RedisBooster(Booster):
-    def __init__(self, connections: RedisContinuations) -> None:
+    def __init__(self, publisher: Any, connections: RedisContinuations) -> None:
+        super().__init__(publisher)
         self.connections = connections  # one connection per process, and the sub-queue listing
         self._scripts: dict[str, Any] = {}
 
@@ -43,16 +45,17 @@ class RedisBooster(Booster):
             script = self._scripts[source] = client.register_script(source)
         return script
 
-    def lift(self, app: Any, settings: PrioSettings, task_id: str, tier: Tier) -> Boost | None:
+    def lift(self, task_id: str, tier: Tier) -> Boost | None:
         """Lift ``task_id`` into ``tier``; None when it is in none of this app's queues and no worker holds it."""
+        settings = self.settings
         lane = boost_lane(settings, tier)
-        subqueues = self.connections.subqueues(app, settings)
+        subqueues = self.connections.subqueues()
         lower = [q for t in TIERS if t > tier for q in tier_queues(settings, t, subqueues)]
         # The lane again at the end: a concurrent boost may have moved it there while this one looked below.
         higher = [*(q for t in TIERS if t <= tier for q in tier_queues(settings, t, subqueues) if q != lane), lane]
-        unacked = self.connections.connection(app).default_channel.unacked_key  # kombu's: workers' fetched messages
-        return self.connections._guarded(
-            app, lambda client: self._lift(client, settings, task_id, tier, lane, lower, higher, unacked)
+        unacked = self.connections.connection().default_channel.unacked_key  # kombu's: workers' fetched messages
+        return self.connections.guarded(
+            lambda client: self._lift(client, settings, task_id, tier, lane, lower, higher, unacked)
         )
 
     def _lift(

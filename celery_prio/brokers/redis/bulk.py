@@ -9,7 +9,7 @@ from typing import Any
 from kombu.utils.json import dumps
 
 from ...errors import QueueFull
-from ..base import BulkSession
+from ..publishing import BulkSession
 from ..shared import fast_json
 from .scripts import BULK_PUSH
 from .transport import drain_rate, wait_for_replicas

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import Continuation, Continuations
+from ..publishing import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
 from .transport import pending_marker
 
@@ -16,12 +15,12 @@ from .transport import pending_marker
 class RedisContinuations(ProcessConnection, Continuations):
     every_task_sjf = True  # one pipelined LLEN each: a missing list costs nothing
 
-    def _client(self, app: Any) -> Any:
-        return self.connection(app).default_channel.client
+    def _client(self) -> Any:
+        return self.connection().default_channel.client
 
-    def publish(self, app: Any, settings: PrioSettings, continuation: Continuation) -> None:
+    def publish(self, continuation: Continuation) -> None:
         # Aging on Redis reads the enqueue stamp the continuation carries: nothing to adjust.
-        pending_marker.value = (marker_name(settings, continuation.task_id), continuation.generation, MARKER_TTL)
+        pending_marker.value = (marker_name(self.settings, continuation.task_id), continuation.generation, MARKER_TTL)
         try:
             continuation.send()
         finally:
@@ -30,17 +29,17 @@ class RedisContinuations(ProcessConnection, Continuations):
         if left is not None:
             raise RuntimeError("celery-prio: the continuation was not published through celery-prio's Redis transport")
 
-    def committed(self, app: Any, settings: PrioSettings, task_id: str) -> int:
-        raw = self._guarded(app, lambda client: client.get(marker_name(settings, task_id)))
+    def committed(self, task_id: str) -> int:
+        raw = self.guarded(lambda client: client.get(marker_name(self.settings, task_id)))
         try:
             return int(raw or 0)
         except ValueError:  # anyone can write to Redis: an unreadable marker marks nothing stale
             return 0
 
-    def waiting(self, app: Any, settings: PrioSettings, tier: Tier) -> int:
+    def waiting(self, tier: Tier) -> int:
         """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
 
-        names = tier_queues(settings, tier, self.subqueues(app, settings))
+        names = tier_queues(self.settings, tier, self.subqueues())
 
         def count(client: Any) -> int:
             pipe = client.pipeline(transaction=False)
@@ -48,17 +47,18 @@ class RedisContinuations(ProcessConnection, Continuations):
                 pipe.llen(name)
             return sum(int(n) for n in pipe.execute())
 
-        return self._guarded(app, count)
+        return self.guarded(count)
 
-    def list_subqueues(self, app: Any, settings: PrioSettings) -> list[str]:
+    def list_subqueues(self) -> list[str]:
         from .transport import registered_subqueues
 
-        return self._guarded(app, lambda client: registered_subqueues(client, settings.subqueue_registry))
+        registry = self.settings.subqueue_registry
+        return self.guarded(lambda client: registered_subqueues(client, registry))
 
-    def _guarded(self, app: Any, work: Callable[[Any], Any]) -> Any:
-        conn = self.connection(app)
+    def guarded(self, work: Callable[[Any], Any]) -> Any:
+        conn = self.connection()
         try:
-            return work(self._client(app))
+            return work(self._client())
         except conn.connection_errors:
             self.forget()
             raise

@@ -13,8 +13,9 @@ from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import decode_problem, decode_redis_element
-from ..base import MAX_ANNOUNCED_TASKS, BrokerFigures, FetchSource, Job, Take
-from .admin import RedisAdapter, _text
+from ..base import MAX_ANNOUNCED_TASKS, BrokerFetchSource, BrokerFigures, Job, Take
+from ..shared import as_text
+from . import figures
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 SERVING_REWRITE = 30
 
 
-class RedisFetchSource(FetchSource):
+class RedisFetchSource(BrokerFetchSource):
     """The worker's Redis side: one round trip per fetch, over every served list in order.
 
     One script takes the oldest message of the first non-empty list and
@@ -52,7 +53,6 @@ class RedisFetchSource(FetchSource):
         self.channel = channel
         self.worker_name = worker_name
         self.accept = prepare_accept_content(app.conf.accept_content)
-        self.adapter = RedisAdapter(app, client=channel.client)
         self._script = channel.client.register_script(FETCH)
         self._beat = channel.client.register_script(HEARTBEAT)
         self._dead_letter = channel.client.register_script(DEAD_LETTER)
@@ -218,7 +218,7 @@ class RedisFetchSource(FetchSource):
             return -1, []
         messages = []
         for raw, tag in zip(reply[2::2], reply[3::2], strict=True):
-            message = self._message(raw, _text(tag), tiers[position], keys[position])
+            message = self._message(raw, as_text(tag), tiers[position], keys[position])
             if message is not None:
                 messages.append(message)
         return position, messages
@@ -276,8 +276,8 @@ class RedisFetchSource(FetchSource):
         client, mine, returned = self.channel.client, self.worker_name + "|", 0
         self.settle_unsettled()
         for tag, owner in client.hscan_iter(self.settings.owners_key, count=SWEEP_BATCH):
-            tag = _text(tag)
-            if _text(owner).startswith(mine) and tag not in held:
+            tag = as_text(tag)
+            if as_text(owner).startswith(mine) and tag not in held:
                 self.restore_or_dead_letter(tag)
                 returned += 1
         if returned:
@@ -309,7 +309,7 @@ class RedisFetchSource(FetchSource):
 
     def fleet_serving(self) -> dict[Tier, int] | None:
         try:
-            return self.adapter.serving(self.settings)
+            return figures.serving(self.channel.client, self.settings)
         except self.channel.connection_errors:
             return None
 
@@ -390,9 +390,10 @@ class RedisFetchSource(FetchSource):
         if idle:  # every queue it serves was empty just now: nothing waits, nothing to ask about them
             oldest: dict[Tier, float | None] = dict.fromkeys(TIERS)
         else:
-            oldest = {t: self.adapter.oldest_age(self.settings.queue_name(t), wall) for t in TIERS}
+            client = self.channel.client
+            oldest = {t: figures.oldest_age(client, self.settings.queue_name(t), wall) for t in TIERS}
         return BrokerFigures(
-            counters=self.adapter.counters(self.settings),
+            counters=figures.counters(self.channel.client, self.settings),
             oldest_age=oldest,
             depth=dict.fromkeys(self.served.tiers, 0) if idle else self.served_depths(),
             read_at=now,

@@ -12,7 +12,8 @@ from ...policy.served import AGING_TIERS
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..base import Job
-from .admin import _text
+from ..shared import as_text
+from .aging import RedisAging
 from .pruning import PRUNE_INTERVAL, mention, prune
 from .scripts import SWEEP_DEAD_OWNERS, TRIM_DEAD
 
@@ -51,6 +52,7 @@ class RedisHousekeeping:
         self.settings = source.settings
         self.worker_name = source.worker_name
         self._sweep = source.channel.client.register_script(SWEEP_DEAD_OWNERS)
+        self.aging = RedisAging(source.channel.client)
         self.returned = 0  # messages of gone workers this worker returned to their queues
         self._rate_mark: tuple[float, dict[Tier, int]] | None = None
         self._rates_idle = False  # the last rates written were all zero (nothing to refresh while idle)
@@ -119,9 +121,9 @@ class RedisHousekeeping:
                 if not reply:  # another worker sweeps this second
                     break
                 for tag in reply[1:]:
-                    self.source.restore_or_dead_letter(_text(tag))
+                    self.source.restore_or_dead_letter(as_text(tag))
                 returned += len(reply) - 1
-                if _text(reply[0]) == "0":  # the pass reached the end of the hash
+                if as_text(reply[0]) == "0":  # the pass reached the end of the hash
                     break
         except channel.connection_errors:
             pass  # what this sweep took but did not restore is taken again after 10 s (by any worker)
@@ -199,7 +201,7 @@ class RedisHousekeeping:
         now = time.time()
         subqueues = self.source.discover_subqueues() or []
         for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
-            self.source.adapter.promote_aged(self.settings, tier, now)
+            self.aging.promote_aged(self.settings, tier, now)
             for name in subqueues:  # one pass per sub-queue: every worker ages, whatever its -Q
                 if self.settings.subqueue_of(name, tier) is not None:
-                    self.source.adapter.promote_aged(self.settings, tier, now, source=name)
+                    self.aging.promote_aged(self.settings, tier, now, source=name)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ...settings import PrioSettings
+from ..shared import as_text
 
 #: Seconds between pruning passes; one worker of the fleet takes each (``SET NX PX``).
 PRUNE_INTERVAL = 60.0
@@ -21,13 +22,9 @@ PRUNE_INTERVAL = 60.0
 PRUNE_CHUNK = 500
 
 
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 def _stamp(value: Any) -> float | None:
     try:
-        return float(_text(value).split()[-1])
+        return float(as_text(value).split()[-1])
     except (ValueError, IndexError):
         return None  # anyone can write to Redis: unreadable is treated as old
 
@@ -47,7 +44,7 @@ def prune(client: Any, settings: PrioSettings, worker: str, now: float | None = 
 
     # Workers: a heartbeat older than the bound (Redis time), with the tiers it served and its rates.
     dead = [
-        _text(w)
+        as_text(w)
         for w, beat in client.hscan_iter(settings.heartbeats_key, count=PRUNE_CHUNK)
         if (_stamp(beat) or 0.0) < old
     ]
@@ -92,10 +89,10 @@ def _prune_by_seen(client: Any, key: str, seen: str, old: float, now: float, *, 
     stamps = client.hgetall(seen) if client.exists(seen) else {}
     first_seen, dropped = {}, []
     for name in names:
-        stamp = _stamp(stamps.get(name if isinstance(name, bytes) else _text(name).encode(), b""))
+        stamp = _stamp(stamps.get(name if isinstance(name, bytes) else as_text(name).encode(), b""))
         if stamp is None:
             first_seen[name] = f"{now:.3f}"  # written before pruning existed: its time starts now
-        elif stamp < old and not (keep and keep(_text(name))):
+        elif stamp < old and not (keep and keep(as_text(name))):
             dropped.append(name)
     if first_seen:
         client.hset(seen, mapping=first_seen)

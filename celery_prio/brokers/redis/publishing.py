@@ -7,9 +7,8 @@ import functools
 import logging
 from typing import Any
 
-from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ..base import BulkSession, Publisher
+from ..publishing import BulkSession, Publisher
 from .pruning import mention
 
 logger = logging.getLogger(__name__)
@@ -22,9 +21,10 @@ SENTINEL_PATH = "celery_prio.brokers.redis.transport:SentinelTransport"
 class RedisPublisher(Publisher):
     kind = "redis"
 
-    def introduce_subqueue(self, app: Any, settings: PrioSettings, tier: Tier, name: str) -> None:
+    def introduce_subqueue(self, tier: Tier, name: str) -> None:
         # Every fetch script call returns the registry's version: a worker re-reads the set when it moved.
-        with app.connection_for_write() as conn:
+        settings = self.settings
+        with self.app.connection_for_write() as conn:
             client = conn.default_channel.client
             if client.sadd(settings.subqueue_registry, name):
                 client.incr(settings.subqueue_registry_version)
@@ -34,15 +34,16 @@ class RedisPublisher(Publisher):
     def continuations(self) -> Any:
         from .continuations import RedisContinuations
 
-        return RedisContinuations()
+        return RedisContinuations(self)
 
     @functools.cached_property
     def booster(self) -> Any:
         from .boost import RedisBooster
 
-        return RedisBooster(self.continuations)
+        return RedisBooster(self, self.continuations)
 
-    def configure(self, app: Any, settings: PrioSettings, options: dict[str, Any]) -> None:
+    def configure(self, options: dict[str, Any]) -> None:
+        settings = self.settings
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
         use_capped_redis_transport()
@@ -73,12 +74,10 @@ class RedisPublisher(Publisher):
         for name in ("unacked_key", "unacked_index_key", "unacked_mutex_key"):
             options.setdefault(name, f"{settings.queue_prefix}.{name.removesuffix('_key')}")
 
-    def new_bulk_session(
-        self, app: Any, connection: Any, settings: PrioSettings, tier: Tier, queue: str | None
-    ) -> BulkSession:
+    def new_bulk_session(self, connection: Any, tier: Tier, queue: str | None) -> BulkSession:
         from .bulk import RedisBulkSession
 
-        return RedisBulkSession(app, connection, settings, tier, queue)
+        return RedisBulkSession(self.app, connection, self.settings, tier, queue)
 
 
 def use_capped_redis_transport() -> None:

@@ -178,7 +178,7 @@ class Run:
                     adapter.client.delete(key)
             else:
                 from ...brokers.amqp.management import management_client
-                from ...settings import settings_for
+                from ...runtime import settings_for
 
                 listing = management_client(self.app, settings_for(self.app)).list_queues(rf"^{self.prefix}\.")
                 adapter.delete_queues([name for name, _ in listing or []])

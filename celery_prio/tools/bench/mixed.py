@@ -66,7 +66,7 @@ def bench_aging_pass(out=print, sizes=(1_000, 1_000_000), aged: int = 100) -> di
     real task messages at the oldest end; the pass must not look further.
     """
     from ...brokers.redis.admin import RedisAdapter
-    from ...settings import settings_for
+    from ...runtime import settings_for
 
     results = {}
     for size in sizes:
