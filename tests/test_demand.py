@@ -72,9 +72,11 @@ def test_demand_of_a_real_fleet_and_its_exporter(env):
     env.wait_for(lambda: offline()["runtime_estimate_s"] is not None and offline()["running"] == 2, timeout=30)
     row = offline()
     assert row["running"] == 2 and 0.9 <= row["runtime_estimate_s"] <= 1.5, row
-    assert 30 <= row["waiting"] <= 38, row
+    # 40 published, 2 running, a few done by now: how many depends on how long the status calls took (each
+    # waits up to 1 s for the workers' replies), so the bound is loose; the formula is checked exactly.
+    assert 20 <= row["waiting"] <= 38, row
     assert row["demand_slots"] == slots_needed(row["waiting"], 2, row["runtime_estimate_s"], 5.0)
-    assert row["demand_slots"] >= 2 + 30 // 5, row  # about 7 more slots drain the rest in 5 s
+    assert row["demand_slots"] >= 2 + row["waiting"] // 5, row  # the rest drained in 5 s at about 1 s each
     status = cluster_status(env.app, settings, env.adapter)
     assert len(status["workers"]) == 2 and status["tiers"]["realtime"]["demand_slots"] == 0
 
