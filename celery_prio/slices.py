@@ -227,12 +227,12 @@ def _with_arguments(task: Any, args: list, kwargs: dict, values: dict[str, Any])
     return args, kwargs
 
 
-__all__ = ["slices"]
-
-
 def _continuations(app: Any) -> Continuations:
     """The app's continuations (its broker's), bound to the app by ``install()``."""
     publishing = publisher_of(app)
     if publishing is None:
         raise RuntimeError("celery_prio.slices() needs celery_prio.install(app) first")
     return publishing.continuations
+
+
+__all__ = ["slices"]
