@@ -26,9 +26,15 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from celery import Task
+
+T = TypeVar("T")
 
 #: The most calls one batch may hold (a batch is one message of each call in hand, and one pool job).
 MAX_BATCH = 10_000
@@ -67,14 +73,18 @@ class Call:
 
     id: str
     args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, object] = field(default_factory=dict)
+
+
+#: A batched task as written: it takes the list of calls and returns one result per call, in order.
+BatchFunction = Callable[[list[Call]], object]
 
 
 class BatchResultError(Exception):
     """A batched task returned something other than one result per call."""
 
 
-def batch_of(task: Any) -> Batch | None:
+def batch_of(task: Task) -> Batch | None:
     """The task's ``batch=`` option, checked (``ConfigError`` naming the task for anything but a ``Batch``)."""
     spec = getattr(task, "batch", None)
     if spec is None or isinstance(spec, Batch):
@@ -82,7 +92,7 @@ def batch_of(task: Any) -> Batch | None:
     raise ConfigError(f"task {getattr(task, 'name', task)!r}: batch= takes celery_prio.Batch(...), not {spec!r}")
 
 
-def results_of(run: Callable[[list[Call]], Any], calls: list[Call], name: str) -> list[Any]:
+def results_of(run: BatchFunction, calls: list[Call], name: str) -> list[object]:
     """Run the batched function once; one outcome per call: its result, or the exception that failed it."""
     try:
         results = run(calls)
@@ -100,10 +110,10 @@ def results_of(run: Callable[[list[Call]], Any], calls: list[Call], name: str) -
 
 #: In a pool child, while Celery's tracer runs one call of a batch: that call's outcome (and the traceback of
 #: its exception), already computed by the batch's one run. Keyed by task id; each entry lives for one trace.
-_SETTLED: dict[str, tuple[Any, Any]] = {}
+_SETTLED: dict[str, tuple[object, TracebackType | None]] = {}
 
 
-def settle_through_tracer(task_id: str, outcome: Any, traceback: Any, trace: Callable[[], Any]) -> Any:
+def settle_through_tracer(task_id: str, outcome: object, traceback: TracebackType | None, trace: Callable[[], T]) -> T:
     """Run ``trace`` (Celery's tracer for one call of a batch) with the call returning ``outcome``: the tracer
     then stores it, runs the call's chain, chord, links and signals exactly as for an unbatched call."""
     _SETTLED[task_id] = (outcome, traceback)
@@ -114,10 +124,10 @@ def settle_through_tracer(task_id: str, outcome: Any, traceback: Any, trace: Cal
 
 
 #: The function each batched task was written as (it takes the list of calls), by task.
-_BATCH_RUNS: weakref.WeakKeyDictionary[Any, Callable[[list[Call]], Any]] = weakref.WeakKeyDictionary()
+_BATCH_RUNS: weakref.WeakKeyDictionary[Task, BatchFunction] = weakref.WeakKeyDictionary()
 
 
-def keep_batch_run(task: Any, run: Callable[[list[Call]], Any]) -> bool:
+def keep_batch_run(task: Task, run: BatchFunction) -> bool:
     """Keep ``run`` as the function ``task`` was written as; False where one is kept already."""
     if task in _BATCH_RUNS:
         return False
@@ -125,12 +135,12 @@ def keep_batch_run(task: Any, run: Callable[[list[Call]], Any]) -> bool:
     return True
 
 
-def settled_outcome(task_id: str | None) -> tuple[Any, Any] | None:
+def settled_outcome(task_id: str | None) -> tuple[object, TracebackType | None] | None:
     """Inside Celery's tracer for one call of a worker's batch: that call's ``(outcome, traceback)``, once."""
     return _SETTLED.pop(task_id or "", None)
 
 
-def batch_run(task: Any) -> Callable[[list[Call]], Any]:
+def batch_run(task: Task) -> BatchFunction:
     """The function ``task`` was written as, which takes the list of calls (``celery_hooks.takes_batches`` kept it)."""
     run = _BATCH_RUNS.get(task)
     if run is None:

@@ -22,7 +22,7 @@ follow.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult, ResultBase, ResultSet
@@ -31,8 +31,11 @@ from celery.utils.log import get_logger
 from .brokers.base import BOOST_OUTCOMES, Boost
 from .producer.inherit import running_task_tier
 from .runtime import publisher_of
-from .tiers import Tier, parse_tier
+from .tiers import Tier, TierName, parse_tier
 from .worker.slice_board import blocked_waiting
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = get_logger(__name__)
 
@@ -43,7 +46,7 @@ WAIT_ROUND = 0.5
 SETTLED = frozenset({"boosted", "already", "running", "finished"})
 
 
-def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
+def boost(result_or_id: AsyncResult | str, tier: TierName, *, app: Celery | None = None) -> Boost:
     """Lift a queued task to ``tier`` (``"realtime"``, ``"p1"``, ``0`` ...); returns what happened.
 
     ``result_or_id``: an ``AsyncResult`` or a task id (then ``app``, or the
@@ -78,7 +81,7 @@ def boost(result_or_id: Any, tier: Any, *, app: Any = None) -> Boost:
     return Boost("not_found", task_id, tier, detail=publishing.boost_not_found)
 
 
-def _state(app: Any, task_id: str) -> str | None:
+def _state(app: Celery, task_id: str) -> str | None:
     """The task's state in the result backend; None for an app that keeps no results."""
     from celery.backends.base import DisabledBackend
 
@@ -87,7 +90,7 @@ def _state(app: Any, task_id: str) -> str | None:
     return app.AsyncResult(task_id).state
 
 
-def waited_on(result: Any) -> list[AsyncResult]:
+def waited_on(result: ResultBase) -> list[AsyncResult]:
     """Every task result ``result`` depends on: itself, group members, chord headers, chain parents."""
     out: list[AsyncResult] = []
     stack, seen = [result], set()
@@ -106,14 +109,14 @@ def waited_on(result: Any) -> list[AsyncResult]:
 
 
 def wait(
-    result: Any,
+    result: ResultBase,
     timeout: float | None = None,
     *,
-    tier: Any = None,
+    tier: TierName | None = None,
     propagate: bool = True,
     interval: float = WAIT_ROUND,
-    **get_options: Any,
-) -> Any:
+    **get_options: object,
+) -> object:
     """Boost what ``result`` waits on to the waiter's tier, then wait for it (``result.get``).
 
     The waiter's tier is ``tier``, else the tier of the task running this
@@ -135,8 +138,14 @@ def wait(
 
 
 def _wait(
-    app: Any, result: Any, waiter: Tier, timeout: float | None, propagate: bool, interval: float, get_options: dict
-) -> Any:
+    app: Celery,
+    result: ResultBase,
+    waiter: Tier,
+    timeout: float | None,
+    propagate: bool,
+    interval: float,
+    get_options: dict[str, object],
+) -> object:
     deadline = None if timeout is None else time.monotonic() + timeout
     settled: set[str] = set()
     while True:
@@ -153,7 +162,7 @@ def _wait(
                 raise
 
 
-def _boost_round(app: Any, result: Any, tier: Tier, settled: set[str]) -> None:
+def _boost_round(app: Celery, result: ResultBase, tier: Tier, settled: set[str]) -> None:
     for dependency in waited_on(result):
         if dependency.id in settled or dependency.ready():
             continue

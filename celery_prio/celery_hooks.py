@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from celery import Celery, chord, group
 from celery.result import AsyncResult, ResultSet
@@ -68,16 +68,21 @@ from .runtime import Prio
 from .settings import PrioSettings
 from .worker.slice_board import blocked_waiting
 
+if TYPE_CHECKING:
+    from celery import Signature, Task
+    from celery.concurrency.base import BasePool
+    from celery.result import GroupResult
+
 #: Marks what celery-prio put in Celery's place (and what it replaced: ``__wrapped__``), so no patch is applied
 #: twice.
 MARK = "celery_prio"
 
 
-def _ours(value: Any) -> bool:
+def _ours(value: object) -> bool:
     return bool(getattr(value, MARK, False))
 
 
-def _marked(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+def _marked(wrapper: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
     setattr(wrapper, MARK, True)
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
@@ -100,7 +105,9 @@ def count_result_waits() -> None:
         if method is None or _ours(method):
             continue
 
-        def blocking_wait(self: Any, *args: Any, _method: Any = method, **kwargs: Any) -> Any:
+        def blocking_wait(
+            self: AsyncResult | ResultSet, *args: object, _method: Callable[..., object] = method, **kwargs: object
+        ) -> object:
             with blocked_waiting(running_task_tier(self.app)):
                 return _method(self, *args, **kwargs)
 
@@ -114,7 +121,7 @@ def batched_from_the_start() -> None:
     if _ours(original):
         return
 
-    def task_from_fun(self: Any, fun: Any, *args: Any, **options: Any) -> Any:
+    def task_from_fun(self: Celery, fun: Callable[..., object], *args: object, **options: object) -> Task:
         task = original(self, fun, *args, **options)
         try:
             if batch_of(task) is not None:
@@ -126,7 +133,7 @@ def batched_from_the_start() -> None:
     Celery._task_from_fun = _marked(functools.wraps(original)(task_from_fun), original)  # type: ignore[method-assign]
 
 
-def takes_batches(task: Any) -> None:
+def takes_batches(task: Task) -> None:
     """Make a batched task take a single call too (a direct call, eager mode, an ETA): as a batch of one.
 
     The function the user wrote, which takes a list of calls, is kept for the
@@ -140,7 +147,7 @@ def takes_batches(task: Any) -> None:
     if not keep_batch_run(task, run):
         return
 
-    def run_one(*args: Any, **kwargs: Any) -> Any:
+    def run_one(*args: object, **kwargs: object) -> object:
         settled = settled_outcome(getattr(task.request, "id", None))
         if settled is not None:  # a call of a worker's batch, under Celery's tracer: its outcome is known
             outcome, traceback = settled
@@ -170,8 +177,12 @@ def route_groups_through_bulk() -> None:
         return
 
     def apply_async(
-        self: group, args: Any = None, kwargs: Any = None, add_to_parent: bool = True, **options: Any
-    ) -> Any:
+        self: group,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+        add_to_parent: bool = True,
+        **options: object,
+    ) -> GroupResult:
         eligible = bulk_call_of(self, args, kwargs, options)
         if eligible is None:
             return original(self, args, kwargs, add_to_parent=add_to_parent, **options)
@@ -188,7 +199,9 @@ def lift_canvases() -> None:
         if _ours(original):
             continue
 
-        def apply_async(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        def apply_async(
+            self: Signature, *args: object, _original: Callable[..., AsyncResult] = original, **kwargs: object
+        ) -> AsyncResult:
             lift_before_publish(self, args, kwargs)
             return _original(self, *args, **kwargs)
 
@@ -203,7 +216,7 @@ def guard_send_task(app: Celery, runtime: Prio, current_settings: Callable[[], P
     if _ours(send_task):
         send_task = send_task.__wrapped__
 
-    def send_task_admitted(*args: Any, **kwargs: Any) -> Any:
+    def send_task_admitted(*args: object, **kwargs: object) -> AsyncResult:
         settings = current_settings()
         before_send(runtime, kwargs)
         routed = runtime.routed.set(None)  # the router records this call's tier and queue
@@ -221,7 +234,7 @@ def guard_send_task(app: Celery, runtime: Prio, current_settings: Callable[[], P
 
 
 # -- 7. the worker's pool ------------------------------------------------------------------------------------
-def notify_when_jobs_end(pool: Any, on_end: Callable[[], None]) -> None:
+def notify_when_jobs_end(pool: BasePool, on_end: Callable[[], None]) -> None:
     """Wrap ``pool.apply_async`` so that ``on_end`` runs when a job leaves its slot (its callback or error
     callback ran). Installed before the task strategies are built (they capture ``pool.apply_async``), so
     every request Celery runs goes through it."""
@@ -229,8 +242,8 @@ def notify_when_jobs_end(pool: Any, on_end: Callable[[], None]) -> None:
     if _ours(apply_async):
         return
 
-    def notify(callback: Any) -> Any:
-        def called(*args: Any, **kwargs: Any) -> Any:
+    def notify(callback: Callable[..., object]) -> Callable[..., object]:
+        def called(*args: object, **kwargs: object) -> object:
             try:
                 return callback(*args, **kwargs)
             finally:
@@ -238,7 +251,12 @@ def notify_when_jobs_end(pool: Any, on_end: Callable[[], None]) -> None:
 
         return called
 
-    def apply_async_notifying(*args: Any, callback: Any = None, error_callback: Any = None, **kwargs: Any) -> Any:
+    def apply_async_notifying(
+        *args: object,
+        callback: Callable[..., object] | None = None,
+        error_callback: Callable[..., object] | None = None,
+        **kwargs: object,
+    ) -> object:
         return apply_async(
             *args,
             callback=notify(callback) if callback else None,

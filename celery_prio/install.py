@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery import Celery, signals
 from celery.utils.imports import symbol_by_name
@@ -40,6 +40,9 @@ from .worker import control  # noqa: F401 - registers `celery inspect prio_stats
 from .worker.gpus import add_worker_option
 from .worker.slice_board import board
 
+if TYPE_CHECKING:
+    from celery.worker import WorkController
+
 logger = logging.getLogger(__name__)
 
 CONSUMER_PATH = "celery_prio.worker.consumer:PrioConsumer"
@@ -49,7 +52,7 @@ CELERY_DEFAULT_QUEUE = "celery"
 DEFAULT_QUEUE_KEYS = ("task_default_queue", "task_default_exchange", "task_default_routing_key")
 
 
-def install(app: Celery, **overrides: Any) -> PrioSettings:
+def install(app: Celery, **overrides: object) -> PrioSettings:
     """Route tasks into tier queues and make workers schedule them by tier.
 
     ``overrides`` take the ``prio_*`` setting names without the prefix
@@ -161,7 +164,7 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _serves_prio(value: Any) -> bool:
+def _serves_prio(value: object) -> bool:
     """Whether ``worker_consumer`` is celery-prio's consumer or the app's own subclass of it."""
     if value == CONSUMER_PATH:
         return True
@@ -174,7 +177,7 @@ def _serves_prio(value: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, PrioConsumer)
 
 
-def _check_consumer(value: Any, before_install: bool) -> None:
+def _check_consumer(value: object, before_install: bool) -> None:
     """``worker_consumer`` must be Celery's (install() replaces it) or celery-prio's, or a subclass of it."""
     if value in (None, CELERY_DEFAULT_CONSUMER, CONSUMER_PATH):
         return
@@ -245,7 +248,7 @@ def ensure_installed(app: Celery, worker: bool = False) -> PrioSettings:
     return runtime.settings
 
 
-def _on_worker_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+def _on_worker_init(sender: object = None, instance: WorkController | None = None, **_: object) -> None:
     """``celeryd_init``: before the worker reads ``worker_consumer``, its queues and its connection settings.
 
     A consumer of the app's own set after install() cannot run with celery-prio's: the worker refuses to
@@ -259,7 +262,7 @@ def _on_worker_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
         raise SystemExit(f"celery-prio: {exc}") from None
 
 
-def _on_finalize(sender: Celery, **_: Any) -> None:
+def _on_finalize(sender: Celery, **_: object) -> None:
     """The app's tasks are all there: batched tasks take a single call as a batch of one (a direct call, eager
     mode, an ETA), in every process of the app (a worker's pool children are forked after this); and
     configuration set since ``install()`` has not undone it."""

@@ -25,13 +25,16 @@ from __future__ import annotations
 import contextvars
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from .brokers.publishing import Publisher
 from .settings import PrioSettings, load_settings
 from .tiers import Tier
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ _RUNTIMES: weakref.WeakKeyDictionary[Celery, Prio] = weakref.WeakKeyDictionary()
 _LOADED: weakref.WeakKeyDictionary[Celery, PrioSettings] = weakref.WeakKeyDictionary()
 
 
-def runtime_of(app: Any) -> Prio | None:
+def runtime_of(app: Celery) -> Prio | None:
     """The runtime ``install()`` made for ``app``; None for an app without celery-prio."""
     try:
         return _RUNTIMES.get(app)
@@ -94,13 +97,13 @@ def runtime_of(app: Any) -> Prio | None:
         return None
 
 
-def publisher_of(app: Any) -> Publisher | None:
+def publisher_of(app: Celery) -> Publisher | None:
     """The app's bound publisher (``install()`` made it); None for an app without celery-prio."""
     runtime = runtime_of(app)
     return None if runtime is None else runtime.publishing
 
 
-def settings_for(app: Any) -> PrioSettings:
+def settings_for(app: Celery) -> PrioSettings:
     """The validated settings of an app (``install()`` keeps them; otherwise read from ``app.conf`` once)."""
     runtime = runtime_of(app)
     if runtime is not None:

@@ -21,9 +21,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kombu.utils.url import url_to_parts
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .settings import PrioSettings
 
 #: Passwords anyone can guess: no key is derived from them.
 WELL_KNOWN_PASSWORDS = frozenset({"", "guest"})
@@ -45,7 +51,7 @@ def _credentials(url: str) -> tuple[str, str, str] | None:
     return parts.username or "guest", password, vhost
 
 
-def boost_key(broker_url: Any, queue_prefix: str, explicit: str | None) -> bytes | None:
+def boost_key(broker_url: str | Sequence[str] | None, queue_prefix: str, explicit: str | None) -> bytes | None:
     """The key for this app's boost messages (see the module doc); None where none can be had safely."""
     if explicit:
         return explicit.encode()
@@ -57,18 +63,18 @@ def boost_key(broker_url: Any, queue_prefix: str, explicit: str | None) -> bytes
     return hashlib.sha256(material.encode()).digest()
 
 
-def app_boost_key(app: Any, settings: Any) -> bytes | None:
+def app_boost_key(app: Celery, settings: PrioSettings) -> bytes | None:
     """``boost_key`` of an installed app: its write (else its) broker URL, its prefix, its ``prio_boost_key``."""
     url = app.conf.broker_write_url or app.conf.broker_url or ""
     return boost_key(url, settings.queue_prefix, settings.boost_key)
 
 
-def sign(key: bytes, *parts: Any) -> str:
+def sign(key: bytes, *parts: object) -> str:
     """The signature of ``parts`` (JSON-encodable values) under ``key``."""
     return hmac.new(key, json.dumps(list(parts)).encode(), hashlib.sha256).hexdigest()
 
 
-def verified(key: bytes | None, signature: Any, *parts: Any) -> bool:
+def verified(key: bytes | None, signature: object, *parts: object) -> bool:
     """Whether ``signature`` is ``parts`` signed under ``key`` (never, without a key)."""
     return key is not None and isinstance(signature, str) and hmac.compare_digest(signature, sign(key, *parts))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.exceptions import Ignore, Reject
 from celery.utils.log import get_task_logger
@@ -42,6 +42,10 @@ from .runtime import publisher_of, settings_for
 from .tiers import Tier
 from .worker.slice_board import board
 
+if TYPE_CHECKING:
+    from celery import Celery, Task
+    from celery.worker.request import Request
+
 logger = get_task_logger(__name__)
 
 T = TypeVar("T")
@@ -50,7 +54,7 @@ T = TypeVar("T")
 BROKER_CHECK_INTERVAL = 0.02
 
 
-def slices(task: Any, iterable: Iterable[T], resume: str, carry: Mapping[str, Any] | None = None) -> Iterator[T]:
+def slices(task: Task, iterable: Iterable[T], resume: str, carry: Mapping[str, Any] | None = None) -> Iterator[T]:
     """Iterate ``iterable``; between elements, give the slot back when a higher tier waits.
 
     ``task`` is the bound task (``bind=True``); ``resume`` names the task
@@ -74,7 +78,7 @@ class _SliceRun:
 
     def __init__(
         self,
-        task: Any,
+        task: Task,
         arguments: dict[str, Any],
         tier: Tier,
         slice_length: float,
@@ -93,7 +97,7 @@ class _SliceRun:
         self.board = board()
 
     @classmethod
-    def begin(cls, task: Any, resume: str, carry: dict[str, Any]) -> _SliceRun | None:
+    def begin(cls, task: Task, resume: str, carry: dict[str, Any]) -> _SliceRun | None:
         request = task.request
         if request.called_directly or request.is_eager or not request.delivery_info:
             return None
@@ -168,7 +172,7 @@ class _SliceRun:
         signature = self.task.signature_from_request(request, args, kwargs, queue=lane)
         signature.options.update(headers=headers, declare=[])  # the lane exists, declared with its arguments
 
-        def send(producer: Any = None, **options: Any) -> None:
+        def send(producer: Any = None, **options: object) -> None:
             signature.apply_async(producer=producer, **options)
 
         try:
@@ -191,7 +195,7 @@ class _SliceRun:
             return False
 
 
-def _is_redelivered(request: Any) -> bool:
+def _is_redelivered(request: Request) -> bool:
     """Given back to its queue once (its worker died before the ack), or dead-lettered on the way (RabbitMQ's
     ``x-death``: aged into the tier above): only such a copy can be older than a committed continuation."""
     info, headers = request.delivery_info or {}, request.headers or {}
@@ -199,7 +203,7 @@ def _is_redelivered(request: Any) -> bool:
     return bool(info.get("redelivered") or headers.get("redelivered") or died)
 
 
-def _check_argument(task: Any, name: str) -> None:
+def _check_argument(task: Task, name: str) -> None:
     try:
         params = inspect.signature(task.run).parameters
     except (TypeError, ValueError):
@@ -209,7 +213,7 @@ def _check_argument(task: Any, name: str) -> None:
         raise TypeError(f"celery_prio.slices(): task {task.name!r} has no argument {name!r} to resume with")
 
 
-def _with_arguments(task: Any, args: list, kwargs: dict, values: dict[str, Any]) -> tuple[list, dict]:
+def _with_arguments(task: Task, args: list, kwargs: dict, values: dict[str, Any]) -> tuple[list, dict]:
     """The call's arguments with ``values`` set, each positional or keyword as the call had it."""
     try:
         names = [
@@ -227,7 +231,7 @@ def _with_arguments(task: Any, args: list, kwargs: dict, values: dict[str, Any])
     return args, kwargs
 
 
-def _continuations(app: Any) -> Continuations:
+def _continuations(app: Celery) -> Continuations:
     """The app's continuations (its broker's), bound to the app by ``install()``."""
     publishing = publisher_of(app)
     if publishing is None:

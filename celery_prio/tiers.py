@@ -30,6 +30,9 @@ for _tier in TIERS:
     _ALIASES[f"p{_tier.value}"] = _tier
     _ALIASES[str(_tier.value)] = _tier
 
+#: What a user may name a tier by: a ``Tier``, ``"realtime"``/``"p0"``/``"0"``, or ``0`` (the same for batch, offline).
+TierName = Tier | str | int
+
 VALID_TIER_NAMES = "realtime|batch|offline (or p0|p1|p2, 0|1|2)"
 
 

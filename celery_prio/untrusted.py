@@ -10,19 +10,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
 
 from .headers import ENQUEUED_HEADER
 
 
-def valid_stamp(value: Any) -> float | None:
+def valid_stamp(value: object) -> float | None:
     """An enqueue stamp as a float, or None when it is not a finite number (``true`` is not a number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def enqueue_age(headers: Any, now: float) -> float | None:
+def enqueue_age(headers: object, now: float) -> float | None:
     """Seconds since a message was first enqueued (None: no usable stamp). A future stamp counts as now."""
     if not isinstance(headers, Mapping):
         return None
@@ -30,7 +29,7 @@ def enqueue_age(headers: Any, now: float) -> float | None:
     return None if stamp is None else max(0.0, now - stamp)
 
 
-def headers_problem(headers: Any) -> str | None:
+def headers_problem(headers: object) -> str | None:
     """Why message headers cannot be handed to Celery, or None when they can.
 
     Celery's task handler indexes the headers (``headers['task']``); a list or
@@ -47,7 +46,7 @@ def headers_problem(headers: Any) -> str | None:
     return None
 
 
-def redis_envelope_problem(payload: Any) -> str | None:
+def redis_envelope_problem(payload: object) -> str | None:
     """Why a decoded Redis list element is not a kombu message envelope, or None.
 
     Mirrors what ``kombu.transport.virtual.Message`` needs, so that building
@@ -82,7 +81,7 @@ def decode_problem(exc: BaseException) -> str:
     return f"malformed: not JSON ({exc.__class__.__name__})"
 
 
-def decode_redis_element(raw: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
+def decode_redis_element(raw: bytes | str) -> tuple[dict[str, object] | None, str | None]:
     """``(envelope, None)`` for a usable element, ``(None, reason)`` otherwise."""
     try:
         payload = json.loads(raw)
@@ -92,7 +91,7 @@ def decode_redis_element(raw: bytes | str) -> tuple[dict[str, Any] | None, str |
     return (None, problem) if problem else (payload, None)
 
 
-def death_records(headers: Any) -> list[Mapping[str, Any]]:
+def death_records(headers: object) -> list[Mapping[str, object]]:
     """RabbitMQ's ``x-death`` list, keeping only well-formed records (a number or string there is ignored)."""
     deaths = headers.get("x-death") if isinstance(headers, Mapping) else None
     if not isinstance(deaths, (list, tuple)):
@@ -100,6 +99,6 @@ def death_records(headers: Any) -> list[Mapping[str, Any]]:
     return [d for d in deaths if isinstance(d, Mapping)]
 
 
-def was_promoted_by_broker(headers: Any) -> bool:
+def was_promoted_by_broker(headers: object) -> bool:
     """RabbitMQ aging: the message expired out of a lower tier into this one."""
     return any(d.get("reason") == "expired" for d in death_records(headers))

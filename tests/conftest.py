@@ -77,7 +77,9 @@ class PrioEnv:
         self.kind = kind
         # Under every configure() (e.g. prio_fetch). Boost on RabbitMQ needs a key when the broker URL is the
         # well-known guest one, as here (tests/test_boost_signing.py covers the default: boosts refused).
-        self.base_settings = {"boost_key": TEST_BOOST_KEY, **(base_settings or {})}
+        # Realtime calls wait in backlogs here by design (shares, floors, recovery): no deadline unless a test
+        # asks (tests/test_admission.py covers the deadline, its default included).
+        self.base_settings = {"boost_key": TEST_BOOST_KEY, "realtime_deadline": 0, **(base_settings or {})}
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
         self.broker = broker or BROKERS[kind]
         self.backend = REDIS_URL

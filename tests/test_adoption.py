@@ -182,7 +182,8 @@ def test_apps_sharing_a_broker_keep_their_tasks_apart(stock_env):
     worker_a = start(env, role="a")
     a = adopt_app(env, role="a")
     assert a.tasks["adopt.a.rt"].delay(1).get(timeout=15) == 1
-    rt_b = b.tasks["adopt.b.rt"].delay(2)
+    # It waits for b's worker on purpose, past realtime's default deadline: its own expires= keeps it.
+    rt_b = b.tasks["adopt.b.rt"].apply_async((2,), expires=120)
     batch_b = b.tasks["adopt.b.square"].delay(3, 0)
     with pytest.raises(CeleryTimeout):
         rt_b.get(timeout=3)

@@ -14,7 +14,7 @@
 ``brokers/redis/`` and ``brokers/amqp/`` implement them all,
 ``brokers/memory.py`` the fetch source for fast tests; nothing outside
 ``brokers/`` branches on the broker kind, and the two brokers' packages never
-import each other. Messages are opaque here (``object``): kombu's on real
+import each other. A fetch source is generic in its messages: kombu's on real
 brokers, anything in the memory broker.
 """
 
@@ -23,8 +23,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from celery import Celery
+from kombu.asynchronous import Hub
+from kombu.message import Message
 
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
@@ -92,10 +95,13 @@ class BrokerFigures:
     dead_letters: int | None = None  # the dead-letter queue's length
 
 
+#: The messages a fetch source hands out.
+M = TypeVar("M")
+
 MAX_ANNOUNCED_TASKS = 10_000  # task names one worker records in the fleet's directory (announce_tasks)
 
 
-class FetchSource(ABC):
+class FetchSource(ABC, Generic[M]):
     """What the fetch loop needs of a source of messages: a broker's (:class:`BrokerFetchSource`), or the
     in-memory one of the simulator and the fast tests (``brokers/memory.py``)."""
 
@@ -106,6 +112,7 @@ class FetchSource(ABC):
         self.served = served
         self.settings = settings
         self.broker_calls = 0  # round trips made by take(); reported, and bounded while idle (tested)
+        self.slots = 1  # the worker's concurrency: the fleet's slots per tier predict a call's wait (admission)
         # For a source the broker pushes messages to: called when one arrives (the fetch loop then pumps),
         # and how many slots the worker has free (how many messages it may have coming).
         self.on_arrival: Callable[[], None] = lambda: None
@@ -116,7 +123,7 @@ class FetchSource(ABC):
         """The oldest message of the first tier in ``order`` that has one (promoted sub-queue first)."""
 
     @abstractmethod
-    def dead_letter(self, message: object, reason: str, tier: Tier) -> None:
+    def dead_letter(self, message: M, reason: str, tier: Tier) -> None:
         """Copy ``message`` untouched to ``<prefix>.dead`` with ``reason``; the caller then acks or rejects it."""
 
     @abstractmethod
@@ -128,21 +135,21 @@ class FetchSource(ABC):
     #: worker that wait for a slot. A source that only pulls holds none.
     held = 0
 
-    def stop(self) -> None:  # noqa: B027 - a source that holds nothing has nothing to give back
+    def stop(self) -> None:
         """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
 
 
-class BrokerFetchSource(FetchSource):
+class BrokerFetchSource(FetchSource[Message]):
     """The worker's side of a real broker, on the consumer's channel: what the worker's runtime needs beyond
     the fetch loop's contract. Every method without a body is required; the few with one are capabilities
     that some brokers lack, and their body says what a broker without them does."""
 
     @abstractmethod
-    def attach_loop(self, hub: object) -> None:
+    def attach_loop(self, hub: Hub) -> None:
         """The worker's event loop (kombu's Hub): the source waits on the broker on it while idle."""
 
     @abstractmethod
-    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[object]:
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Message]:
         """A batch's top-up: up to ``count`` more messages of ``task`` from ``queue`` (about ``max_bytes`` of them
         at most, 0: no bound), oldest first, each recorded as this worker's like any fetch (none: an empty list)."""
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
 from ..tiers import Tier
 from .base import FetchSource, Take
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class MemoryDoorbell:
                 return
 
 
-class MemoryFetchSource(FetchSource):
+class MemoryFetchSource(FetchSource[object]):
     def __init__(self, served: ServedQueues, settings: PrioSettings, doorbell: MemoryDoorbell | None = None) -> None:
         super().__init__(served, settings)
         self.queues: dict[str, deque[Any]] = defaultdict(deque)
@@ -85,5 +88,5 @@ class MemoryFetchSource(FetchSource):
             empty.append(tier)
         return Take(empty=tuple(empty), empty_queues=tuple(passed))
 
-    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+    def dead_letter(self, message: object, reason: str, tier: Tier) -> None:
         self.dead.append((message, reason, tier))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..headers import SLICE_MARKER_SUFFIX
 from ..settings import PrioSettings
 from ..tiers import Tier
 from .publishing import Bound, Publisher
+
+if TYPE_CHECKING:
+    from kombu import Connection
 
 MARKER_TTL = 24 * 3600
 
@@ -28,10 +31,10 @@ class ProcessConnection(Bound):
 
     def __init__(self, publisher: Publisher) -> None:
         super().__init__(publisher)
-        self._conn: Any = None
+        self._conn: Connection | None = None
         self._pid = 0
 
-    def connection(self) -> Any:
+    def connection(self) -> Connection:
         if self._conn is None or self._pid != os.getpid():
             self._conn = self.app.connection_for_write(transport_options=self.transport_options)
             self._pid = os.getpid()
@@ -77,12 +80,12 @@ def tier_queues(settings: PrioSettings, tier: Tier, subqueues: list[str]) -> lis
     return list(dict.fromkeys(names))
 
 
-def as_text(value: Any) -> str:
+def as_text(value: object) -> str:
     """A Redis reply (bytes) or any value as text; undecodable bytes replaced, never an error."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def fast_json(value: Any) -> str:
+def fast_json(value: object) -> str:
     """The standard library's C encoder for plain data; kombu's (datetimes, UUIDs, ...) for the rest."""
     try:
         return json.dumps(value)

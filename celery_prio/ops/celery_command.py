@@ -78,6 +78,12 @@ def status(ctx, as_json: bool, watch: float | None):
                             f"{name:<40}{fmt(r['depth']):>8}{r['dispatched']:>12}"
                             f"{fmt(r['share_of_tier'], '{:.2f}'):>8}{fmt(r['wait_p99_ms'], '{:.0f}'):>13}"
                         )
+                for label, r in data["tiers"].items():
+                    if r.get("rejected") or r.get("refused_wait") or r.get("expired"):
+                        click.echo(
+                            f"REFUSED {label}: {r.get('rejected') or 0} at the cap, {r.get('refused_wait') or 0} "
+                            f"over the wait budget (prio_max_wait); {r.get('expired') or 0} expired past the deadline"
+                        )
                 for name, r in data["unserved"].items():
                     click.echo(f"UNSERVED {name}: {r['depth']} waiting, no live worker serves {r['tier']}")
                 for name, r in data["legacy"].items():

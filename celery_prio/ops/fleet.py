@@ -57,6 +57,8 @@ def cluster_status(app, settings, adapter) -> dict:
             "boosted": worst("boosted"),
             "boosted_seen": sum(r.boosted_seen for r in per_worker),
             "rejected": worst("rejected"),
+            "refused_wait": worst("refused_wait"),
+            "expired": sum(r.expired for r in per_worker),
             "dropped": worst("dropped"),
             "dead_lettered": worst("dead_lettered"),
             "yields": sum(r.yields for r in per_worker),

@@ -11,9 +11,12 @@ beside the fleet's waiting, running, run-time estimate and worker count.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..settings import PrioSettings
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ FLEET_METRICS = (
 
 
 class FleetCollector:
-    def __init__(self, app: Any, settings: PrioSettings) -> None:
+    def __init__(self, app: Celery, settings: PrioSettings) -> None:
         self.app, self.settings = app, settings
 
     def status(self) -> dict[str, Any]:
@@ -66,7 +69,7 @@ class FleetCollector:
         yield GaugeMetricFamily("celery_prio_fleet_workers", "Workers that answered", value=len(data["workers"]))
 
 
-def serve_fleet_metrics(app: Any, settings: PrioSettings, host: str, port: int) -> FleetCollector:
+def serve_fleet_metrics(app: Celery, settings: PrioSettings, host: str, port: int) -> FleetCollector:
     from ..worker.metrics import serve_collector
 
     return serve_collector(FleetCollector(app, settings), host, port, "prio exporter")

@@ -10,15 +10,14 @@ helpers all decide with these functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
 from ..settings import PrioSettings, subqueue_name_problem
 from ..tiers import TIERS, Tier, parse_tier
 
 
-def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = None) -> Tier | None:
+def tier_of_call(settings: PrioSettings, name: str, explicit: object, task: object = None) -> Tier | None:
     """The tier of a call: the call's ``tier``, the task's, the ``prio_routes`` pattern; None if none names one.
 
     None leaves the call to the user's own routes, then ``task_default_queue``.
@@ -27,22 +26,29 @@ def tier_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any = N
     return parse_tier(raw) if raw is not None else settings.tier_for_task_name(name)
 
 
-def subqueue_of_call(settings: PrioSettings, name: str, explicit: Any, task: Any, call: tuple[Any, ...]) -> str | None:
+def subqueue_of_call(
+    settings: PrioSettings,
+    name: str,
+    explicit: object,
+    task: object,
+    call: tuple[Sequence[object], Mapping[str, object], Mapping[str, object]],
+) -> str | None:
     """The sub-queue of a call: the call's ``subqueue``, the task's, ``prio_subqueue_key``; None if none names one.
 
     Raises ``ValueError`` naming the problem for a name that cannot be a queue's.
     """
-    sub: str | None = explicit if explicit is not None else getattr(task, "subqueue", None)
+    sub = explicit if explicit is not None else getattr(task, "subqueue", None)
     if sub is None:
         sub = settings.subqueue_for_call(name, *call)
-    if sub is not None:
-        problem = subqueue_name_problem(sub)
-        if problem:
-            raise ValueError(f"task {name!r}: {problem}")
+    if sub is None:
+        return None
+    problem = subqueue_name_problem(sub)
+    if problem or not isinstance(sub, str):
+        raise ValueError(f"task {name!r}: {problem}")
     return sub
 
 
-def sjf_queues(settings: PrioSettings, tasks: Any, every_task: bool = False) -> list[str]:
+def sjf_queues(settings: PrioSettings, tasks: Mapping[str, object], every_task: bool = False) -> list[str]:
     """The shortest-first queues a worker serves from the start, without discovery (``tasks``: ``app.tasks``).
 
     Any task can reach realtime per call (``apply_async(tier="realtime")``),
@@ -63,7 +69,7 @@ def sjf_queues(settings: PrioSettings, tasks: Any, every_task: bool = False) -> 
     return out
 
 
-def batched_queues(settings: PrioSettings, tasks: Any) -> list[str]:
+def batched_queues(settings: PrioSettings, tasks: Mapping[str, object]) -> list[str]:
     """The queue of each batched task (``celery_prio.Batch``) in every tier: its calls wait there, on their own."""
     return [
         settings.subqueue_name(tier, settings.sjf_subqueue(name))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
 
 KEEP_FOR = 24 * 3600.0
 #: Seconds a prepared boost stays pending at a worker without its commit (then the original runs).
@@ -31,7 +30,7 @@ PENDING_FOR = 5.0
 MAX_RECORDS = 100_000
 
 
-def generation_of(value: Any) -> int:
+def generation_of(value: object) -> int:
     """The boost generation a message header carries (0: an original, or an unreadable header)."""
     gen = value.get("gen") if isinstance(value, dict) else None
     return gen if isinstance(gen, int) and not isinstance(gen, bool) and gen > 0 else 0
@@ -81,7 +80,7 @@ class Superseded:
         if known is not None and known[0] == generation:
             del self._records[task_id]
 
-    def verdict(self, task_id: Any, generation: int, now: float) -> str | float:
+    def verdict(self, task_id: object, generation: int, now: float) -> str | float:
         """``RUN``, ``STALE``, or the seconds to wait for a pending boost's commit before asking again.
         Called for every fetched message: one dict lookup."""
         if not self._records or not isinstance(task_id, str):
@@ -97,16 +96,16 @@ class Superseded:
             return RUN
         return pending_until - now
 
-    def is_stale(self, task_id: Any, generation: int) -> bool:
+    def is_stale(self, task_id: object, generation: int) -> bool:
         known = self._records.get(task_id) if isinstance(task_id, str) else None
         return known is not None and generation < known[0] and not known[2]
 
-    def snapshot(self, now: float) -> list[list[Any]]:
+    def snapshot(self, now: float) -> list[list[str | int | float]]:
         """``[[id, generation, recorded at], ...]``, oldest first (what a starting peer merges; committed only)."""
         self._expire(now)
         return [[task_id, gen, at] for task_id, (gen, at, pending) in self._records.items() if not pending]
 
-    def merge(self, records: Iterable[Any], now: float, pending_for: float | None = None) -> int:
+    def merge(self, records: Iterable[object], now: float, pending_for: float | None = None) -> int:
         """Take journal records (``[id, generation, at]``, or ``[id, generation, at, "pending"]`` for a boost
         not committed yet, held pending for ``pending_for`` from now); malformed rows are skipped. ``at``
         None: now (the journal's own retention, kept by the broker's clock, bounds their age, so no

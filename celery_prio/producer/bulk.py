@@ -16,15 +16,19 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from ..errors import QueueFull
 from ..headers import ENQUEUED_HEADER
 from ..runtime import publisher_of
 from ..settings import subqueue_name_problem
-from ..tiers import parse_tier
+from ..tiers import TierName, parse_tier
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+    from celery.result import AsyncResult
 
 #: The apply_async options bulk understands; each applies to every item.
 OPTIONS = ("kwargs", "expires", "time_limit", "soft_time_limit", "ignore_result", "countdown", "eta")
@@ -35,25 +39,25 @@ ARGSREPR_MAX = 1024
 
 
 class TaskMessage(NamedTuple):
-    headers: dict[str, Any]
-    properties: dict[str, Any]
-    body: tuple[Any, Any, Any]
+    headers: dict[str, object]
+    properties: dict[str, object]
+    body: tuple[Sequence[object], Mapping[str, object], dict[str, object]]  # args, kwargs, embed
 
 
-def _short_repr(args: Any) -> str:
+def _short_repr(args: object) -> str:
     text = repr(args)
     return text if len(text) <= ARGSREPR_MAX else text[: ARGSREPR_MAX - 3] + "..."
 
 
 @dataclass(frozen=True)
-class BulkResult(Sequence):
+class BulkResult(Sequence[str]):
     """The task ids of a bulk publish, in input order, computed rather than stored.
 
     ``ids[i]`` is ``f"{base}-{i}"``; ``results()`` gives ``AsyncResult``s
     (fine for thousands; for millions iterate ids and ask the backend as you go).
     """
 
-    app: Any
+    app: Celery
     base: str
     count: int
     start: int = 0
@@ -62,7 +66,13 @@ class BulkResult(Sequence):
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index: Any) -> Any:
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self.count))]
         if index < 0:
@@ -74,7 +84,7 @@ class BulkResult(Sequence):
     def __iter__(self) -> Iterator[str]:
         return (f"{self.base}-{self.start + i}" for i in range(self.count))
 
-    def results(self) -> list[Any]:
+    def results(self) -> list[AsyncResult]:
         return [self.app.AsyncResult(task_id) for task_id in self]
 
 
@@ -88,13 +98,13 @@ class BulkQueueFull(QueueFull):
 
 
 def bulk(
-    task: Any,
-    args_iterable: Iterable[Sequence[Any]],
+    task: Task,
+    args_iterable: Iterable[Sequence[object]],
     *,
-    tier: Any,
+    tier: TierName,
     subqueue: str | None = None,
     chunk: int = 1000,
-    **options: Any,
+    **options: object,
 ) -> BulkResult:
     """Publish ``task(*args)`` for every ``args`` of ``args_iterable`` into ``tier``, ``chunk`` at a time.
 
@@ -112,11 +122,11 @@ def bulk(
 
 
 def publish_calls(
-    task: Any,
-    calls: Iterable[tuple[Any, Any]],
-    tier: Any,
+    task: Task,
+    calls: Iterable[tuple[Sequence[object], Mapping[str, object]]],
+    tier: TierName,
     chunk: int,
-    options: dict[str, Any],
+    options: dict[str, object],
     group: bool = False,
     subqueue: str | None = None,
 ) -> BulkResult:

@@ -17,20 +17,27 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from celery import Signature, group
 
 from ..celery_private import MapSignature
 from ..runtime import publisher_of, settings_for
+from ..tiers import Tier
 from .bulk import publish_calls
 from .routing import tier_of_call
+
+if TYPE_CHECKING:
+    from celery.result import GroupResult
 
 #: Smaller groups gain little from chunking: they keep Celery's path.
 BULK_GROUP_MIN = 50
 
 
-def bulk_call_of(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[str, Any] | None:
+def bulk_call_of(
+    g: group, args: Sequence[object] | None, kwargs: Mapping[str, object] | None, options: dict[str, object]
+) -> tuple[str, Tier] | None:
     """``(task name, tier)`` when the group can take the bulk path, else None."""
     app = g.app
     if publisher_of(app) is None or app.conf.task_always_eager:
@@ -60,13 +67,13 @@ def bulk_call_of(g: group, args: Any, kwargs: Any, options: dict[str, Any]) -> t
     return first.task, tier
 
 
-def _call(sig: Signature) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _call(sig: Signature) -> tuple[tuple[object, ...], dict[str, object]]:
     if isinstance(sig, MapSignature):  # xmap/xstarmap: Celery sends the iterable as a list
         return (), {"task": sig.kwargs["task"], "it": list(sig.kwargs["it"])}
     return tuple(sig.args), dict(sig.kwargs)
 
 
-def publish_group(g: group, name: str, tier: Any, add_to_parent: bool) -> Any:
+def publish_group(g: group, name: str, tier: Tier, add_to_parent: bool) -> GroupResult:
     """Publish an eligible group (``bulk_call_of``) through the bulk path; Celery's ``GroupResult`` of it."""
     app = g.app
     ids = publish_calls(app.tasks[name], (_call(sig) for sig in g.tasks), tier, 1000, {}, group=True)

@@ -17,7 +17,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from celery import Signature, chord, group
 from celery.utils.functional import regen
@@ -28,6 +29,10 @@ from ..policy.routes import tier_of_call
 from ..runtime import runtime_of
 from ..settings import PrioSettings
 from ..tiers import Tier
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.app.task import Context
 
 
 def higher(a: Tier | None, b: Tier | None) -> Tier | None:
@@ -44,7 +49,7 @@ def own_tier(settings: PrioSettings, sig: Signature) -> Tier:
     return settings.default_tier if tier is None else tier
 
 
-def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
+def lift(settings: PrioSettings, sig: Signature | dict[str, object], floor: Tier | None) -> Tier | None:
     """Raise ``sig``'s tasks to at least ``floor``; returns the most urgent tier anywhere in ``sig``."""
     if isinstance(sig, dict) and not isinstance(sig, Signature):  # a canvas member given as a plain dict
         as_signature = Signature.from_dict(sig)
@@ -70,7 +75,7 @@ def lift(settings: PrioSettings, sig: Any, floor: Tier | None) -> Tier | None:
     return lifted
 
 
-def lift_members(settings: PrioSettings, sig: Any, floor: Tier | None, top: Tier | None) -> Tier | None:
+def lift_members(settings: PrioSettings, sig: group | chord, floor: Tier | None, top: Tier | None) -> Tier | None:
     """Lift a group's or chord header's members to ``floor``; the most urgent tier among them and ``top``.
 
     A lazy header (a generator, which Celery keeps as a ``regen``) is never
@@ -88,13 +93,13 @@ def lift_members(settings: PrioSettings, sig: Any, floor: Tier | None, top: Tier
     return top
 
 
-def _lifted_as_taken(settings: PrioSettings, members: Any, floor: Tier | None) -> Any:
+def _lifted_as_taken(settings: PrioSettings, members: Iterable[Signature], floor: Tier | None) -> Iterator[Signature]:
     for member in members:
         lift(settings, member, floor)
         yield member
 
 
-def _inheriting(sig: Any) -> PrioSettings | None:
+def _inheriting(sig: Signature) -> PrioSettings | None:
     app = sig.app
     runtime = runtime_of(app)
     if runtime is None:
@@ -102,7 +107,7 @@ def _inheriting(sig: Any) -> PrioSettings | None:
     return runtime.settings if runtime.settings.inherit else None
 
 
-def lift_before_publish(canvas: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def lift_before_publish(canvas: Signature, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """A chain or chord about to be published (``apply_async(*args, **kwargs)``): lift its steps, for an app
     with celery-prio and ``prio_inherit``."""
     settings = _inheriting(canvas)
@@ -117,7 +122,7 @@ def lift_before_publish(canvas: Any, args: tuple[Any, ...], kwargs: dict[str, An
         lift(settings, canvas, None)
 
 
-def _running_request() -> Any:
+def _running_request() -> Context | None:
     """The request of the task running in this thread (a worker's pool child), or None outside a task."""
     from celery import current_task
 
@@ -139,7 +144,7 @@ def parent_tier(settings: PrioSettings, always: bool = False) -> Tier | None:
     return settings.tier_for_queue(queue)
 
 
-def running_task_tier(app: Any) -> Tier | None:
+def running_task_tier(app: Celery) -> Tier | None:
     """The tier of the task running in this thread, for an app with ``install()`` (None otherwise)."""
     runtime = runtime_of(app)
     return None if runtime is None else parent_tier(runtime.settings, always=True)

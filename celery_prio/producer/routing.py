@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu import Queue
 
@@ -23,12 +23,15 @@ from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .inherit import boosted_floor, higher, parent_tier
 
+if TYPE_CHECKING:
+    from celery import Task
+
 #: A sub-queue's kombu Queue (declared and made known to workers on first use): ``(tier, name) -> Queue``.
 SubqueueOf = Callable[[Tier, str], Queue]
 
 
 def route_of_call(
-    settings: PrioSettings, name: str, args: Any, kwargs: Any, options: dict, task: Any = None
+    settings: PrioSettings, name: str, args: Any, kwargs: Any, options: dict, task: Task | None = None
 ) -> tuple[Tier | None, str | None]:
     """``(tier, sub-queue)`` of a call; pops our ``tier`` and ``subqueue`` options (kombu never sees them)."""
     tier = tier_of_call(settings, name, options.pop("tier", None), task)
@@ -62,7 +65,7 @@ def make_router(
     """
     queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
 
-    def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Any = None, **_: Any):
+    def route_by_tier(name: str, args: Any, kwargs: Any, options: dict, task: Task | None = None, **_: object):
         tier, sub = route_of_call(settings, name, args, kwargs, options, task)
         queue = None if tier is None or sub is None else settings.subqueue_name(tier, sub)
         if routed is not None:
@@ -95,7 +98,7 @@ def register_subqueue(name: str) -> None:
 
 
 def stamp_enqueue_time(
-    sender: Any = None, routing_key: str | None = None, headers: dict | None = None, **_: Any
+    sender: Any = None, routing_key: str | None = None, headers: dict | None = None, **_: object
 ) -> None:
     """``before_task_publish`` receiver: record when the message entered its tier (or sub-queue)."""
     if headers is not None and routing_key in _TIER_QUEUES:

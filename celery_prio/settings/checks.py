@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 from ..errors import ConfigError
 from ..tiers import Tier, parse_tier
 from .table import DEFAULTS, QUEUE_TYPES
 
 
-def per_tier(name: str, value: Any, default: object) -> dict[Tier, Any]:
+def per_tier(name: str, value: object, default: object) -> dict[Tier, object]:
     """Merge a user's per-tier dict over the defaults (a mapping of tier names), keyed by Tier."""
     if not isinstance(default, Mapping):
         raise TypeError(f"the default of prio_{name} is not per tier: {default!r}")
@@ -29,17 +28,17 @@ def per_tier(name: str, value: Any, default: object) -> dict[Tier, Any]:
     return merged
 
 
-def number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value >= minimum if inclusive else value > minimum
-    if not ok:
-        bound = f">= {minimum}" if inclusive else f"> {minimum}"
-        raise ConfigError(f"prio_{name} must be a number {bound}, got {value!r}")
-    return float(value)
+def number(name: str, value: object, *, minimum: float, inclusive: bool = True) -> float:
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if finite and isinstance(value, (int, float)) and (value >= minimum if inclusive else value > minimum):
+        return float(value)
+    bound = f">= {minimum}" if inclusive else f"> {minimum}"
+    raise ConfigError(f"prio_{name} must be a number {bound}, got {value!r}")
 
 
-def per_tier_numbers(name: str, raw: Mapping[str, Any], *, minimum: float, inclusive: bool = True) -> dict[Tier, float]:
+def per_tier_numbers(
+    name: str, raw: Mapping[str, object], *, minimum: float, inclusive: bool = True
+) -> dict[Tier, float]:
     """A per-tier setting whose every value is a number (``prio_<name>[<tier>]`` named in errors)."""
     return {
         t: number(f"{name}[{t.label}]", v, minimum=minimum, inclusive=inclusive)
@@ -47,13 +46,13 @@ def per_tier_numbers(name: str, raw: Mapping[str, Any], *, minimum: float, inclu
     }
 
 
-def whole(name: str, value: Any) -> int:
+def whole(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"prio_{name} must be a whole number >= 0, got {value!r}")
     return value
 
 
-def optional_positive_whole(name: str, value: Any) -> int | None:
+def optional_positive_whole(name: str, value: object) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -61,31 +60,31 @@ def optional_positive_whole(name: str, value: Any) -> int | None:
     return value
 
 
-def optional_secret(name: str, value: Any) -> str | None:
+def optional_secret(name: str, value: object) -> str | None:
     if value is not None and (not isinstance(value, str) or len(value) < 16):
         raise ConfigError(f"prio_{name} must be a string of at least 16 characters or None")  # value not shown
     return value
 
 
-def optional_path(name: str, value: Any) -> str | None:
+def optional_path(name: str, value: object) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"prio_{name} must be a file path or None, got {value!r}")
     return value
 
 
-def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"prio_{name} must be one of {choices}, got {value!r}")
     return value
 
 
-def flag(name: str, value: Any) -> bool:
+def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"prio_{name} must be True or False, got {value!r}")
     return value
 
 
-def queue_type(value: Any, conf: Mapping[str, Any]) -> str:
+def queue_type(value: object, conf: Mapping[str, object]) -> str:
     source = "prio_queue_type"
     if value is None:
         value, source = conf.get("task_default_queue_type") or "classic", "task_default_queue_type"
@@ -94,7 +93,7 @@ def queue_type(value: Any, conf: Mapping[str, Any]) -> str:
     return value
 
 
-def caps(name: str, value: Any) -> dict[Tier, int | None]:
+def caps(name: str, value: object) -> dict[Tier, int | None]:
     caps: dict[Tier, int | None] = {}
     for t, v in per_tier(name, value, DEFAULTS[name]).items():
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -103,7 +102,7 @@ def caps(name: str, value: Any) -> dict[Tier, int | None]:
     return caps
 
 
-def gpus(value: Any) -> tuple[str, ...]:
+def gpus(value: object) -> tuple[str, ...]:
     """``prio_gpus``: None, ``"0,1"`` or ``[0, 1]``; the GPU numbers as strings."""
     if value is None or value == "" or value == []:
         return ()

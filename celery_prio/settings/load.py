@@ -21,6 +21,7 @@ from . import checks
 from .model import PrioSettings
 from .naming import subqueue_name_problem
 from .table import (
+    DEADLINE_FACTOR,
     DEFAULTS,
     FETCH_MODES,
     IDLE_SHARE_RULES,
@@ -28,13 +29,14 @@ from .table import (
     OVERFLOW_POLICIES,
     SCHEDULER_MODES,
     SETTING_NAMES,
+    derived_max_wait,
     derived_slices,
 )
 
-Raw = dict[str, Any]
+Raw = dict[str, object]
 
 
-def _scheduling(raw: Raw, conf: Mapping[str, Any]) -> dict[str, Any]:
+def _scheduling(raw: Raw, conf: Mapping[str, object]) -> dict[str, Any]:
     weights = {
         t: checks.number("weights", w, minimum=0, inclusive=False)
         for t, w in checks.per_tier("weights", raw["weights"], DEFAULTS["weights"]).items()
@@ -74,12 +76,23 @@ def _aging_and_slices(raw: Raw, realtime_target: float) -> dict[str, Any]:
     }
 
 
-def _capacity(raw: Raw) -> dict[str, Any]:
+def _capacity(raw: Raw, realtime_target: float) -> dict[str, Any]:
+    max_wait: dict[Tier, float | None] = {}
+    for t, v in checks.per_tier("max_wait", raw["max_wait"], derived_max_wait(realtime_target)).items():
+        max_wait[t] = None if v is None else checks.number(f"max_wait[{t.label}]", v, minimum=0, inclusive=False)
+    raw_deadline = raw["realtime_deadline"]
+    deadline = (
+        realtime_target * DEADLINE_FACTOR
+        if raw_deadline is None
+        else checks.number("realtime_deadline", raw_deadline, minimum=0)
+    )
     overflow = checks.per_tier("overflow", raw["overflow"], DEFAULTS["overflow"])
     for t, v in overflow.items():
         if v not in OVERFLOW_POLICIES:
             raise ConfigError(f"prio_overflow[{t.label}] must be one of {OVERFLOW_POLICIES}, got {v!r}")
     return {
+        "max_wait": max_wait,
+        "realtime_deadline": deadline,
         "max_length": checks.caps("max_length", raw["max_length"]),
         "subqueue_max_length": checks.caps("subqueue_max_length", raw["subqueue_max_length"]),
         "overflow": overflow,
@@ -157,7 +170,7 @@ def _observability(raw: Raw) -> dict[str, Any]:
     }
 
 
-def _rabbitmq(raw: Raw, conf: Mapping[str, Any]) -> dict[str, Any]:
+def _rabbitmq(raw: Raw, conf: Mapping[str, object]) -> dict[str, Any]:
     management_url = raw["management_url"]
     if management_url is not None and (
         not isinstance(management_url, str)
@@ -199,12 +212,12 @@ def _inheritance_and_bookkeeping(raw: Raw) -> dict[str, Any]:
     }
 
 
-def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> PrioSettings:
+def load_settings(conf: Mapping[str, object], overrides: Mapping[str, object] | None = None) -> PrioSettings:
     """Read ``prio_*`` keys from a Celery config (plus ``install()`` overrides)."""
     raw = _raw_values(conf, overrides)
     values = _scheduling(raw, conf)
     values |= _aging_and_slices(raw, values["realtime_target"])
-    values |= _capacity(raw)
+    values |= _capacity(raw, values["realtime_target"])
     values |= _subqueues(raw)
     values |= _routing(raw)
     values |= _observability(raw)
@@ -213,12 +226,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
     return PrioSettings(**values)
 
 
-def _raw_values(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> Raw:
+def _raw_values(conf: Mapping[str, object], overrides: Mapping[str, object] | None) -> Raw:
     """The defaults, with the config's ``prio_*`` keys over them and ``overrides`` over those."""
     # ``config_from_object(..., namespace="CELERY")``: settings are written CELERY_PRIO_MAX_LENGTH.
     prefix = getattr(conf, "__dict__", {}).get("prefix")  # Celery keeps it there; attribute access reads a key
     for key in _config_keys(conf):
-        bare = key[len(prefix) :] if prefix and isinstance(key, str) and key.upper().startswith(prefix.upper()) else key
+        bare = key[len(prefix) :] if isinstance(prefix, str) and key.upper().startswith(prefix.upper()) else key
         if _misspelt_setting(bare, conf.get(key)):
             raise _unknown_setting(bare.lower(), shown=key)
     raw = dict(DEFAULTS)
@@ -234,17 +247,18 @@ def _raw_values(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None) ->
     return raw
 
 
-def _config_keys(conf: Mapping[str, Any]) -> list[Any]:
+def _config_keys(conf: Mapping[str, object]) -> list[str]:
     """Every key a Celery config holds (its changes and defaults), or a plain mapping's keys."""
     try:
-        return list(conf.keys())
+        keys = list(conf.keys())  # a Celery config's keys() covers its changes and its defaults
+        return [key for key in keys if isinstance(key, str)]
     except Exception:
         return []
 
 
-def _misspelt_setting(key: Any, value: Any) -> bool:
+def _misspelt_setting(key: str, value: object) -> bool:
     """A ``prio_`` key that is no setting. A function or module of that name (a config module's helper) is none."""
-    if not isinstance(key, str) or not key.lower().startswith("prio_") or key.lower()[5:] in DEFAULTS:
+    if not key.lower().startswith("prio_") or key.lower()[5:] in DEFAULTS:
         return False
     return not callable(value) and not isinstance(value, types.ModuleType)
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from ..errors import ConfigError
 from ..headers import PROMOTED_SUFFIX
 from ..tiers import TIERS, Tier
 from .naming import QueueNames
+
+#: ``prio_subqueue_key``: ``(task name, args, kwargs, options)`` to the call's sub-queue name, or None.
+SubqueueKey = Callable[[str, Sequence[object], Mapping[str, object], Mapping[str, object]], object]
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,11 @@ class PrioSettings(QueueNames):
     min_share: float
     aging: dict[Tier, float | None]
     realtime_target: float
+    max_wait: dict[Tier, float | None]  # predicted-wait budget per tier (None: admitted by cap alone)
+    realtime_deadline: float  # seconds after its publish a realtime call is not run (0: never)
     slice: dict[Tier, float | None]
     subqueue_weights: dict[Tier, dict[str, float]]
-    subqueue_key: Any
+    subqueue_key: SubqueueKey | str | None  # a function, or its ``module:function`` name
     subqueue_max_length: dict[Tier, int | None]
     inherit: bool
     boost_timeout: float
@@ -70,7 +76,9 @@ class PrioSettings(QueueNames):
         sub = self.subqueue_of(queue, tier)
         return 1.0 if sub is None else self.subqueue_weights[tier].get(sub, 1.0)
 
-    def subqueue_for_call(self, name: str, args: Any, kwargs: Any, options: Any) -> Any:
+    def subqueue_for_call(
+        self, name: str, args: Sequence[object], kwargs: Mapping[str, object], options: Mapping[str, object]
+    ) -> object:
         """``prio_subqueue_key`` applied to a call (the setting may name a function as ``module:function``)."""
         key = self.subqueue_key
         if key is None:
@@ -78,7 +86,7 @@ class PrioSettings(QueueNames):
         if isinstance(key, str):
             module, _, attr = key.partition(":")
             try:
-                key = getattr(importlib.import_module(module), attr)
+                key = cast(SubqueueKey, getattr(importlib.import_module(module), attr))
             except (ImportError, AttributeError) as exc:
                 raise ConfigError(f"prio_subqueue_key={self.subqueue_key!r} cannot be imported: {exc}") from None
         return key(name, args, kwargs, options)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any
 
 from ..headers import PROMOTED_SUFFIX
 from ..tiers import TIERS, Tier
@@ -20,7 +19,7 @@ RESERVED_SUBQUEUES = ("promoted", "dlx")
 TASK_SUBQUEUE_PREFIX = "sjf-"
 
 
-def subqueue_name_problem(name: Any) -> str | None:
+def subqueue_name_problem(name: object) -> str | None:
     """Why ``name`` cannot name a sub-queue, or None."""
     if not isinstance(name, str) or not SUBQUEUE_NAME.fullmatch(name):
         return f"sub-queue name {name!r} must be 1-64 letters, digits, '_' or '-', starting with a letter or digit"
@@ -85,6 +84,22 @@ class QueueNames:
         return f"{self.queue_prefix}.heartbeats"
 
     @property
+    def slots_key(self) -> str:
+        """Redis hash: worker -> its concurrency (written with the tiers it serves)."""
+        return f"{self.queue_prefix}.slots"
+
+    @property
+    def admission_key(self) -> str:
+        """Redis hash: ``slots:<tier>`` -> the live slots serving the tier (the housekeeper's sum, short-lived):
+        the publish script divides the work waiting in a tier by it to predict a new call's wait."""
+        return f"{self.queue_prefix}.admission"
+
+    @property
+    def estimates_key(self) -> str:
+        """Redis hash: queue -> the fleet's run-time estimate of its tasks (seconds)."""
+        return f"{self.queue_prefix}.estimates"
+
+    @property
     def stats_key(self) -> str:
         """Redis hash of broker-side counters (rejected/dropped per tier)."""
         return f"{self.queue_prefix}.stats"
@@ -100,9 +115,11 @@ class QueueNames:
     def subqueue_name(self, tier: Tier, subqueue: str) -> str:
         return f"{self.queue_name(tier)}.{subqueue}"
 
-    def is_subqueue(self, queue: Any) -> bool:
+    def is_subqueue(self, queue: object) -> bool:
         """Whether ``queue`` names a sub-queue of one of this app's tiers (``<prefix>.<tier>.<name>``)."""
-        tier = self.tier_for_queue(queue) if isinstance(queue, str) else None
+        if not isinstance(queue, str):
+            return False
+        tier = self.tier_for_queue(queue)
         return tier is not None and self.subqueue_of(queue, tier) is not None
 
     def subqueue_of(self, queue: str, tier: Tier) -> str | None:

@@ -32,6 +32,22 @@ class Setting(NamedTuple):
     shown: str | None = None  # how the reference shows the default, where its repr says too little
 
 
+#: Default deadline of a realtime call, in multiples of ``prio_realtime_target``: a call that waited this long
+#: is past the point where its caller still waits for it.
+DEADLINE_FACTOR = 5.0
+
+
+#: Default realtime wait budget as a fraction of ``prio_realtime_target``. An admitted call's latency is its wait
+#: plus its own run and the dispatch around it; during a surge admission keeps the queue at the budget, so every
+#: admitted call waits about that long: half the target for the wait leaves the other half for the rest.
+WAIT_BUDGET_FRACTION = 0.5
+
+
+def derived_max_wait(realtime_target: float) -> dict[str, float | None]:
+    """The wait budgets ``prio_max_wait`` defaults to: half realtime's target; batch and offline admit by cap."""
+    return {"realtime": realtime_target * WAIT_BUDGET_FRACTION, "batch": None, "offline": None}
+
+
 def derived_slices(realtime_target: float) -> dict[str, float | None]:
     """The slice lengths ``prio_slice`` defaults to: realtime never yields, batch and offline after a fraction."""
     return {"realtime": None, "batch": realtime_target * SLICE_FRACTION, "offline": realtime_target * SLICE_FRACTION}
@@ -204,6 +220,25 @@ SETTINGS: tuple[Setting, ...] = (
         {"realtime": 1000, "batch": 100_000, "offline": 1_000_000},
         CAPACITY,
         "cap per tier; `None` = no cap",
+    ),
+    Setting(
+        "max_wait",
+        None,
+        CAPACITY,
+        "seconds a call may be predicted to wait before it runs (the work ahead of it in its tier, by the "
+        "fleet's run-time estimates, over the slots serving the tier); a publish over it is refused with "
+        "`QueueFull` (429). `None`: half of `prio_realtime_target` for realtime (0.1 s: the rest of the target is "
+        "the call's own run), no budget for batch and offline; a dict overrides per tier (`None`: no budget). "
+        "Redis; see [Capacity](../guides/capacity.md)",
+        shown="None (realtime: prio_realtime_target / 2; batch, offline: none)",
+    ),
+    Setting(
+        "realtime_deadline",
+        None,
+        CAPACITY,
+        "seconds after its publish a realtime call is no longer run: it is marked expired (its `.get()` raises "
+        "`TaskRevokedError` at once) and counted; `0`: never. A call's own `expires=` wins",
+        shown="None (5 x prio_realtime_target: 1 s)",
     ),
     Setting(
         "overflow",

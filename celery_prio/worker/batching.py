@@ -23,7 +23,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery import current_app
 from celery.app.trace import build_tracer, report_internal_error
@@ -41,6 +41,14 @@ from ..batching import (
 from ..celery_hooks import takes_batches
 from ..tiers import Tier
 
+if TYPE_CHECKING:
+    from celery import Task
+    from celery.worker.consumer import Consumer
+    from celery.worker.request import Request
+    from kombu.asynchronous import Hub
+    from kombu.asynchronous.timer import Entry
+    from kombu.message import Message
+
 logger = get_logger(__name__)
 
 
@@ -48,13 +56,13 @@ logger = get_logger(__name__)
 class BatchRun:
     """One batch: the calls collected for one run of ``task`` in one slot."""
 
-    task: Any
+    task: Task
     spec: Batch
     tier: Tier
     queue: str | None  # the queue its first message came from
-    requests: list[Any] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
-    timer: Any = None  # the max_delay wait, while it lasts
+    timer: Entry | None = None  # the max_delay wait, while it lasts
     submitted: bool = False
     bytes: int = 0  # what its calls' messages weigh (bounded by MAX_BATCH_BYTES)
 
@@ -67,7 +75,7 @@ class BatchRun:
 class Batcher:
     """A worker's batches: the strategy that collects their requests, the top-ups, the pool job, the settling."""
 
-    def __init__(self, consumer: Any, hub: Any, take_more: Callable[[BatchRun, int, int], list[Any]]) -> None:
+    def __init__(self, consumer: Consumer, hub: Hub, take_more: Callable[[BatchRun, int, int], list[Message]]) -> None:
         self.c = consumer
         self.hub = hub
         # (batch, how many, bytes at most) -> messages from the task's own queue in its tier
@@ -89,25 +97,32 @@ class Batcher:
             takes_batches(self.c.app.tasks[name])
             self.c.strategies[name] = self._strategy(self.c.app.tasks[name], self.c.strategies[name])
 
-    def batches(self, message: Any) -> bool:
+    def batches(self, message: Message) -> bool:
         """Whether ``message`` is a batched task's call that runs in a batch (one with an ETA runs alone)."""
         headers = message.headers or {}
         return headers.get("task") in self.specs and not headers.get("eta")
 
-    def _strategy(self, task: Any, celery_strategy: Callable[..., Any]) -> Callable[..., Any]:
+    def _strategy(self, task: Task, celery_strategy: Callable[..., object]) -> Callable[..., object]:
         # Celery's own handler, built over a view of the consumer whose last step (``on_task_request``, which
         # would send the request to the pool) adds it to the batch instead: decoding, the received log line and
         # event, ``task_received``, revoked and expired ids, reserved state stay Celery's.
         gather = task.start_strategy(self.c.app, _Gathering(self.c, self._gathered))
 
-        def collect(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any) -> Any:
+        def collect(
+            message: Message,
+            body: object,
+            ack: Callable[..., object],
+            reject: Callable[..., object],
+            callbacks: set[Callable[..., object]] | None,
+            **kwargs: object,
+        ) -> object:
             # Not fetched for a batch (an ETA whose time came): Celery runs it alone, a batch of one.
             handler = celery_strategy if self.collecting is None else gather
             return handler(message, body, ack, reject, callbacks, **kwargs)
 
         return collect
 
-    def _gathered(self, request: Any) -> None:
+    def _gathered(self, request: Request) -> None:
         if self.collecting is None:  # reached later, through a rate limit's timer: it runs alone
             self.c.on_task_request(request)
         else:
@@ -117,10 +132,10 @@ class Batcher:
     def deliver(
         self,
         tier: Tier,
-        message: Any,
+        message: Message,
         queue: str | None,
-        hand: Callable[[Any], None],
-        admit_and_hand: Callable[[Tier, Any], None],
+        hand: Callable[[Message], None],
+        admit_and_hand: Callable[[Tier, Message], None],
     ) -> None:
         """A batched task's call, fetched for a free slot: it joins the batch of its task that waits for more in
         this tier, or starts one (one slot), which tops up at once and waits at most ``max_delay`` for more."""
@@ -142,7 +157,7 @@ class Batcher:
         else:
             self._submit(batch)
 
-    def _collect(self, batch: BatchRun, messages: list[Any], hand: Callable[[Any], None]) -> None:
+    def _collect(self, batch: BatchRun, messages: list[Message], hand: Callable[[Message], None]) -> None:
         """Hand ``messages`` to Celery's handler with ``batch`` collecting their requests."""
         self.collecting = batch
         try:
@@ -152,7 +167,7 @@ class Batcher:
         finally:
             self.collecting = None
 
-    def _top_up(self, batch: BatchRun, hand: Callable[[Any], None]) -> None:
+    def _top_up(self, batch: BatchRun, hand: Callable[[Message], None]) -> None:
         if batch.room <= 0:
             return
         try:
@@ -160,7 +175,7 @@ class Batcher:
         except Exception:  # the broker is away: the batch runs with what it has
             logger.warning("celery-prio: could not top up a batch of %s", batch.task.name, exc_info=True)
 
-    def _waited(self, batch: BatchRun, admit_and_hand: Callable[[Tier, Any], None]) -> None:
+    def _waited(self, batch: BatchRun, admit_and_hand: Callable[[Tier, Message], None]) -> None:
         batch.timer = None
         self._top_up(batch, lambda m: admit_and_hand(batch.tier, m))
         self._submit(batch)
@@ -187,7 +202,7 @@ class Batcher:
             for request in requests:
                 request.on_accepted(pid, time_accepted)
 
-        def returned(outcome: Any) -> None:
+        def returned(outcome: object) -> None:
             if not (isinstance(outcome, list) and len(outcome) == len(requests)):
                 failed(outcome)  # the child could not run the batch at all (an internal error)
                 return
@@ -195,7 +210,7 @@ class Batcher:
                 request.on_success(result)
             self._finished(batch, sum(1 for result in outcome if result[0]))
 
-        def failed(exc_info: Any) -> None:  # the pool job died (its child was killed, a hard time limit)
+        def failed(exc_info: object) -> None:  # the pool job died (its child was killed, a hard time limit)
             for request in requests:
                 request.on_failure(exc_info)
             self._finished(batch, len(requests))
@@ -230,19 +245,19 @@ class Batcher:
 class _Gathering:
     """The consumer as Celery's strategy for a batched task sees it: requests are handed to the batch."""
 
-    def __init__(self, consumer: Any, gathered: Callable[[Any], None]) -> None:
+    def __init__(self, consumer: Consumer, gathered: Callable[[Request], None]) -> None:
         self._consumer = consumer
         self.on_task_request = gathered
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._consumer, name)
 
 
-def _time_limits(task: Any, requests: list[Any]) -> tuple[float | None, float | None]:
+def _time_limits(task: Task, requests: list[Request]) -> tuple[float | None, float | None]:
     """The batch's pool job limits: the tightest any of its calls has (its own ``time_limit`` option, else the
     task's, else the app's). A call over its limit fails as Celery fails it, and so does the rest of its batch."""
 
-    def tightest(values: list[Any]) -> float | None:
+    def tightest(values: list[float | None]) -> float | None:
         given = [float(v) for v in values if v]
         return min(given) if given else None
 
@@ -253,7 +268,7 @@ def _time_limits(task: Any, requests: list[Any]) -> tuple[float | None, float | 
     return hard, soft
 
 
-def _trace_arguments(request: Any, hostname: str) -> tuple[list, dict, dict]:
+def _trace_arguments(request: Request, hostname: str) -> tuple[list, dict, dict]:
     """A call's arguments and the request Celery's tracer gets for it in the child (as ``fast_trace_task``
     builds it: the headers, the message's embedded chain, chord, callbacks and errbacks, its arguments)."""
     args, kwargs, embed = request._payload
@@ -263,10 +278,10 @@ def _trace_arguments(request: Any, hostname: str) -> tuple[list, dict, dict]:
 
 
 #: Per pool process: Celery's tracer of each batched task, built after the task takes single calls.
-_TRACERS: dict[str, Callable[..., Any]] = {}
+_TRACERS: dict[str, Callable[..., tuple[object, object, object, str | None]]] = {}
 
 
-def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> list[tuple[int, Any, float]]:
+def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> list[tuple[int, object, float]]:
     """In a pool child: the batched function once with every call; then each call through Celery's tracer with
     its outcome, which stores it and runs what follows it (chain, chord, links, signals, retries) as for an
     unbatched call. Returns what ``fast_trace_task`` returns, per call: ``(failed, result or error, runtime)``."""
@@ -280,7 +295,7 @@ def run_batch(task_name: str, calls: list[tuple[str, list, dict, dict]]) -> list
     batch = [Call(task_id, tuple(args), kwargs) for task_id, args, kwargs, _ in calls]
     outcomes = results_of(batch_run(task), batch, task_name)
     runtime = time.monotonic() - started  # each call took the batch's time
-    settled: list[tuple[int, Any, float]] = []
+    settled: list[tuple[int, object, float]] = []
     for (task_id, args, kwargs, request), outcome in zip(calls, outcomes, strict=True):
         traceback = outcome.__traceback__ if isinstance(outcome, BaseException) else None
         try:

@@ -16,7 +16,7 @@ under ``brokers/``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 from celery.utils.log import get_logger
@@ -35,6 +35,11 @@ from .metrics import serve_metrics
 from .report import readable_rows
 from .task_consumer import TierFetcher
 
+if TYPE_CHECKING:
+    from celery.concurrency.base import BasePool
+    from celery.worker.request import Request
+    from kombu.message import Message
+
 logger = get_logger(__name__)
 
 
@@ -44,7 +49,7 @@ class PrioTasks(bootsteps.StartStopStep):
     requires = (Mingle,)
     changes_logged = False
 
-    def __init__(self, c: Consumer, **kwargs: Any) -> None:
+    def __init__(self, c: Consumer, **kwargs: object) -> None:
         c.task_consumer = c.qos = None
         self.collector = None
         self.connections = 0  # consumer starts in this process: more than one, it reconnected
@@ -137,16 +142,16 @@ class PrioConsumer(Consumer):
     # (drop) them. Here they first copy the message to the dead letters with
     # the reason, so a bad message is kept as data and never redelivered
     # into a crash loop.
-    def _dead_letter(self, message: Any, reason: str) -> None:
+    def _dead_letter(self, message: Message, reason: str) -> None:
         fetcher = self.task_consumer
         if isinstance(fetcher, TierFetcher) and not message.acknowledged:
             fetcher.dead_letter(message, reason)
 
-    def on_unknown_message(self, body: Any, message: Any) -> None:
+    def on_unknown_message(self, body: Any, message: Message) -> None:
         self._dead_letter(message, "unknown message format (neither task protocol 1 nor 2)")
         super().on_unknown_message(body, message)
 
-    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+    def on_unknown_task(self, body: Any, message: Message, exc: Exception) -> None:
         fetcher = self.task_consumer
         forwarded = (
             isinstance(fetcher, TierFetcher)
@@ -158,20 +163,20 @@ class PrioConsumer(Consumer):
         self._dead_letter(message, f"unregistered task: {exc}")
         super().on_unknown_task(body, message, exc)
 
-    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+    def on_invalid_task(self, body: Any, message: Message, exc: Exception) -> None:
         self._dead_letter(message, f"invalid task: {exc!r}")
         super().on_invalid_task(body, message, exc)
 
-    def on_decode_error(self, message: Any, exc: Exception) -> None:
+    def on_decode_error(self, message: Message, exc: Exception) -> None:
         self._dead_letter(message, f"cannot decode: {exc!r}")
         super().on_decode_error(message, exc)
 
-    def __init__(self, on_task_request: Any, *args: Any, pool: Any = None, **kwargs: Any) -> None:
+    def __init__(self, on_task_request: Any, *args: object, pool: BasePool | None = None, **kwargs: object) -> None:
         #: This worker's memory of boosts on RabbitMQ (which task copies are stale): kept across reconnects,
         #: written by the ``prio_supersede`` control command and read by every fetch.
         self.superseded = Superseded()
 
-        def on_task_request_tracked(request: Any) -> Any:
+        def on_task_request_tracked(request: Request) -> Any:
             fetcher = self.task_consumer
             if isinstance(fetcher, TierFetcher):
                 fetcher.track(request)

@@ -8,7 +8,7 @@ Imported by ``install()`` so that both the worker (which answers) and the
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_logger
 from celery.worker.control import control_command, inspect_command
@@ -19,11 +19,14 @@ from .gpus import worker_gpus
 from .held_requests import waiting_requests
 from .unserved import EveryMinute
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 logger = get_logger(__name__)
 
 
 @inspect_command()
-def prio_stats(state: Any) -> dict[str, Any]:
+def prio_stats(state: Any) -> dict[str, object]:
     """Per-tier dispatch, share, wait and run-time figures of this worker (celery-prio)."""
     fetcher = getattr(state.consumer, "task_consumer", None)
     info = getattr(fetcher, "info", None)
@@ -33,13 +36,13 @@ def prio_stats(state: Any) -> dict[str, Any]:
 
 
 def collect_prio_stats(
-    app: Any, timeout: float = 1.0, limit: int | None = None, destination: list[str] | None = None
-) -> dict[str, Any]:
+    app: Celery, timeout: float = 1.0, limit: int | None = None, destination: list[str] | None = None
+) -> dict[str, object]:
     """``{worker: prio_stats}`` from every worker (or those named in ``destination``) answering within ``timeout``."""
     replies = (
         app.control.broadcast("prio_stats", reply=True, timeout=timeout, limit=limit, destination=destination) or []
     )
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for reply in replies:
         merged.update(reply)
     return merged
@@ -57,7 +60,7 @@ def prio_supersede(
     commit: bool = False,
     pending_for: float | None = None,
     sig: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """celery-prio boost (RabbitMQ): copies of ``task_id`` below ``generation`` are stale; say if held here.
 
     Runs on the worker's event loop, like its fetches: either this worker

@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 from ..brokers.base import FetchSource
 from ..policy.scheduler import TierScheduler
+from ..policy.served import ServedQueues
 from ..tiers import Tier
-from .ledger import Ledger
+from .ledger import Ledger, Settled
 from .stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -31,22 +32,22 @@ FAILURE_LOG_INTERVAL = 60.0
 class EventLoop(Protocol):
     """What the loop needs of an event loop (kombu's Hub has these)."""
 
-    def call_soon(self, callback: Callable[..., Any], *args: Any) -> Any: ...
-    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any: ...
+    def call_soon(self, callback: Callable[..., object], *args: object) -> object: ...
+    def call_later(self, delay: float, callback: Callable[..., object], *args: object) -> object: ...
 
 
 class FetchLoop:
     def __init__(
         self,
-        source: FetchSource,
+        source: FetchSource[Any],
         scheduler: TierScheduler,
         stats: WorkerStats,
         loop: EventLoop,
-        cancel: Callable[[Any], None],
+        cancel: Callable[[object], None],
         clock: Callable[[], float],
         poll_interval: float,
         reraise: tuple[type[BaseException], ...] = (),
-        lanes: Any = None,
+        lanes: ServedQueues | None = None,
     ) -> None:
         self.source = source
         self.scheduler = scheduler
@@ -63,12 +64,12 @@ class FetchLoop:
         self._refill_pending = False
         # The tier's time among its queues (``ServedQueues``: dispatched/finished/empty per queue), if any.
         self.lanes = lanes
-        self.deliver: Callable[[Tier, Any], None] | None = None
-        self.on_settled: Callable[[Any], None] | None = None  # each finished run (``ledger.Settled``): the trace
+        self.deliver: Callable[[Tier, Any], None] | None = None  # the source's message type
+        self.on_settled: Callable[[Settled], None] | None = None  # each finished run (``ledger.Settled``): the trace
         self.active = False
         self.fetching: Tier | None = None  # the tier of the message being delivered right now
         self.fetching_queue: str | None = None  # and the queue it came from
-        self._timer: Any = None
+        self._timer: object = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
         self._wake_pending = False
         #: Since when the worker has found nothing to fetch and waits on the broker (None while it fetches).

@@ -24,11 +24,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps, signals
 
 from ..settings import checks
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.worker import WorkController
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ def record_device(**figures: Any) -> None:
 
 
 @signals.worker_process_init.connect(weak=False)
-def _pin_pool_process(**_: Any) -> None:
+def _pin_pool_process(**_: object) -> None:
     from billiard.process import current_process
 
     index = getattr(current_process(), "index", 0) or 0
@@ -111,7 +115,9 @@ class GpuPinning(bootsteps.StartStopStep):
     """Worker step: takes ``--prio-gpus`` (else ``prio_gpus``, else ``CELERY_PRIO_GPUS``), hands the GPUs to the
     pool processes, and reports each one's device in ``inspect stats``."""
 
-    def __init__(self, worker: Any, prio_gpus: str | None = None, gpus: str | None = None, **options: Any) -> None:
+    def __init__(
+        self, worker: WorkController, prio_gpus: str | None = None, gpus: str | None = None, **options: object
+    ) -> None:
         setting = getattr(getattr(worker, "app", None), "conf", {}).get("prio_gpus")
         self.gpus = parse_gpus(prio_gpus or gpus or setting or os.environ.get(GPUS_ENV))
         if self.gpus:
@@ -122,10 +128,10 @@ class GpuPinning(bootsteps.StartStopStep):
         shutil.rmtree(devices_dir(os.getpid()), ignore_errors=True)  # a dead worker's records under a reused pid
         super().__init__(worker, **options)
 
-    def stop(self, worker: Any) -> None:
+    def stop(self, worker: WorkController) -> None:
         shutil.rmtree(devices_dir(os.getpid()), ignore_errors=True)
 
-    def info(self, worker: Any) -> dict[str, Any]:
+    def info(self, worker: WorkController) -> dict[str, Any]:
         devices = {}
         directory = devices_dir(os.getpid())
         for path in directory.glob("*.json") if directory.is_dir() else ():
@@ -137,7 +143,7 @@ class GpuPinning(bootsteps.StartStopStep):
         return {"gpus": self.gpus or "none (CPU)", "devices": devices}
 
 
-def add_worker_option(app: Any) -> None:
+def add_worker_option(app: Celery) -> None:
     """``install()``: the worker takes ``--prio-gpus`` and runs the pinning step (idempotent)."""
     import click
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_logger
 
 from ..brokers import Job
+
+if TYPE_CHECKING:
+    from kombu.asynchronous import Hub
 
 logger = get_logger(__name__)
 
@@ -21,7 +24,7 @@ class Housekeeping:
     """Starts ``jobs`` on ``hub`` (kombu's event loop) and stops them; a job that fails is logged and retried
     at its next round."""
 
-    def __init__(self, hub: Any) -> None:
+    def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self._entries: list[Any] = []
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
@@ -24,7 +25,13 @@ from .batching import Batcher
 from .fetchloop import FetchLoop
 from .stats import WorkerStats
 
+if TYPE_CHECKING:
+    from kombu.message import Message
+
 logger = get_logger(__name__)
+
+#: Headers of work lifted into a tier rather than published there: it keeps its own terms (no deadline).
+LIFTED_HEADERS = (PROMOTED_HEADER, BOOSTED_HEADER, SLICE_HEADER)
 
 #: Dead-letter reasons are cut to this length (an exception's repr can be long).
 MAX_REASON = 500
@@ -41,22 +48,23 @@ class Intake:
         stats: WorkerStats,
         batcher: Batcher,
         superseded: Superseded,
-        on_decode_error: Callable[[Any, Exception], None],
-        call_later: Callable[[float, Callable[[], None]], Any],
+        on_decode_error: Callable[[Message, Exception], None],
+        call_later: Callable[[float, Callable[[], None]], object],
     ) -> None:
         self.source, self.loop, self.served, self.stats = source, loop, served, stats
         self.batcher, self.superseded = batcher, superseded
         self.on_decode_error, self.call_later = on_decode_error, call_later
-        self.handler: Callable[[Any], None] | None = None
+        self.handler: Callable[[Message], None] | None = None
+        self.deadline = 0.0  # prio_realtime_deadline (0: realtime calls never expire here)
 
-    def dead_letter(self, message: Any, reason: str) -> None:
+    def dead_letter(self, message: Message, reason: str) -> None:
         """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""
         tier = self.loop.fetching
         if tier is None:
             tier = self.served.tier_of(getattr(message, "prio_queue", "") or "")
         self.source.dead_letter(message, reason[:MAX_REASON], tier)
 
-    def deliver(self, tier: Tier, message: Any) -> None:
+    def deliver(self, tier: Tier, message: Message) -> None:
         """Hand one message to Celery (or, a batched task's call, start or join a batch); anything that cannot
         run goes to the dead letters, never up the stack."""
         if not self.admit(tier, message):
@@ -66,12 +74,12 @@ class Intake:
             return
         self.hand_over(message)
 
-    def _admit_and_hand(self, tier: Tier, message: Any) -> None:
+    def _admit_and_hand(self, tier: Tier, message: Message) -> None:
         """A batch's top-up: each message is checked like any fetched one before Celery sees it."""
         if self.admit(tier, message):
             self.hand_over(message)
 
-    def admit(self, tier: Tier, message: Any) -> bool:
+    def admit(self, tier: Tier, message: Message) -> bool:
         """Whether ``message`` goes on to Celery: not undecodable, not malformed, not a boosted task's stale
         copy (each of those is settled here); its wait counted."""
         if message.errors:
@@ -98,10 +106,31 @@ class Intake:
         if verdict != RUN:  # a boost of it is under way: its copy may not be on the broker yet; ask again
             self.call_later(float(verdict), lambda: self.deliver(tier, message))
             return False
+        if self._past_deadline(tier, headers):
+            return True  # Celery's handler marks it expired (state, event, signal) and acks it, unrun
         self._count(tier, headers)
         return True
 
-    def _count(self, tier: Tier, headers: dict[str, Any]) -> None:
+    def _past_deadline(self, tier: Tier, headers: dict[str, object]) -> bool:
+        """A realtime call published longer ago than ``prio_realtime_deadline``: its caller gave up on it.
+        It is given Celery's own ``expires`` (the deadline, passed), so Celery marks it expired as it marks
+        a call whose ``expires=`` passed: ``REVOKED`` in the result backend (``.get()`` raises
+        ``TaskRevokedError`` at once), the ``task-revoked`` event and signal (``expired=True``), acked unrun.
+        A call with its own ``expires`` or an ETA, and work lifted into realtime (aged, boosted, a slice's
+        continuation, a batched or promoted call), keep their own terms."""
+        deadline = self.deadline if tier is Tier.REALTIME else 0.0
+        if deadline <= 0 or headers.get("expires") is not None or headers.get("eta") is not None:
+            return False
+        if any(h in headers for h in LIFTED_HEADERS) or was_promoted_by_broker(headers):
+            return False
+        age = enqueue_age(headers, time.time())
+        if age is None or age <= deadline:
+            return False
+        headers["expires"] = datetime.fromtimestamp(time.time() - age + deadline, tz=UTC).isoformat()
+        self.stats.observe_expired(tier)
+        return True
+
+    def _count(self, tier: Tier, headers: dict[str, object]) -> None:
         now = time.time()
         if BOOSTED_HEADER in headers:
             self.stats.observe_boosted(tier)
@@ -114,7 +143,7 @@ class Intake:
         if wait is not None and self.loop.fetching_queue:
             self.served.observe_wait(self.loop.fetching_queue, wait)
 
-    def hand_over(self, message: Any) -> None:
+    def hand_over(self, message: Message) -> None:
         try:
             if self.handler is None:
                 raise RuntimeError("a message was fetched before Celery's loop set its task handler")

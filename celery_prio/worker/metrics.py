@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = logging.getLogger(__name__)
 
 
 class PrioCollector:
-    def __init__(self, fetcher: Any, app: Any) -> None:
+    def __init__(self, fetcher: Any, app: Celery) -> None:
         self.fetcher = fetcher
         self.app = app
         self._adapter = None
@@ -67,7 +70,14 @@ class PrioCollector:
             "Tasks this worker took that a boost lifted into the tier",
             "boosted_seen",
         )
-        yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 (Redis)", "rejected")
+        yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 at the cap (Redis)", "rejected")
+        yield family(
+            CounterMetricFamily,
+            "refused_wait",
+            "Publishes refused with 429 for a predicted wait over prio_max_wait (Redis)",
+            "refused_wait",
+        )
+        yield family(CounterMetricFamily, "expired", "Calls past their deadline, marked expired unrun", "expired")
         yield family(CounterMetricFamily, "dropped", "Messages evicted to the dead letters (Redis)", "dropped")
         yield family(
             CounterMetricFamily,
@@ -158,7 +168,7 @@ def serve_collector(collector: Any, host: str, port: int, needed_by: str) -> Any
     return collector
 
 
-def serve_metrics(fetcher: Any, app: Any, host: str, port: int) -> Any:
+def serve_metrics(fetcher: Any, app: Celery, host: str, port: int) -> Any:
     """Start the exporter thread; returns the collector (tests read it directly)."""
     collector = serve_collector(PrioCollector(fetcher, app), host, port, "prio_metrics_port")
     logger.info("celery-prio: Prometheus metrics on http://%s:%d/metrics", host, port)

@@ -51,7 +51,8 @@ class TierReport(_FromReply):
     # Broker-wide counters (Redis keeps them; None on RabbitMQ).
     promoted: int | None = None
     boosted: int | None = None  # lifted out of the tier by celery_prio.boost
-    rejected: int | None = None
+    rejected: int | None = None  # refused at the cap (prio_max_length)
+    refused_wait: int | None = None  # refused for a predicted wait over prio_max_wait
     dropped: int | None = None
     dead_lettered: int | None = None
     wait_p50_ms: float | None = None
@@ -61,6 +62,7 @@ class TierReport(_FromReply):
     run_p99_ms: float | None = None
     promoted_seen: int = 0
     boosted_seen: int = 0  # tasks this worker ran that a boost had lifted into the tier
+    expired: int = 0  # calls this worker found past their deadline: marked expired, not run
     # GPU time slices: runs of sliced tasks that gave their slot back, and the tier's slice length.
     yields: int = 0
     slice_s: float | None = None
@@ -162,6 +164,7 @@ def build_report(
             promoted=counted("promoted"),
             boosted=counted("boosted"),
             rejected=counted("rejected"),
+            refused_wait=counted("refused_wait"),
             dropped=counted("dropped"),
             dead_lettered=counted("dead_lettered"),
             yields=(yields or {}).get(tier, 0),
@@ -235,6 +238,10 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
             parts.append(f"promoted {row.promoted}")
         if row.boosted:  # lifted out of this tier by celery_prio.boost (broker-wide, Redis)
             parts.append(f"boosted out {row.boosted}")
+        if row.rejected or row.refused_wait:
+            parts.append(f"refused {row.rejected or 0} at the cap, {row.refused_wait or 0} over the wait budget")
+        if row.expired:
+            parts.append(f"expired {row.expired}")
         if row.boosted_seen:  # run here after a boost lifted them into this tier
             parts.append(f"boosted in {row.boosted_seen}")
         if row.batches:

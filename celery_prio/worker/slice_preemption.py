@@ -9,11 +9,14 @@ sliced task asks the broker itself (``slices.py``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..policy.scheduler import TierScheduler
 from .fetchloop import FetchLoop
 from .slice_board import SliceBoard
+
+if TYPE_CHECKING:
+    from kombu.asynchronous import Hub
 
 #: How often the board tells running sliced tasks which tiers they yield to.
 SLICE_CHECK_INTERVAL = 0.02
@@ -23,7 +26,7 @@ SLICE_ACTIVE_WINDOW = 10.0
 
 
 class SlicePreemption:
-    def __init__(self, board: SliceBoard, scheduler: TierScheduler, loop: FetchLoop, hub: Any) -> None:
+    def __init__(self, board: SliceBoard, scheduler: TierScheduler, loop: FetchLoop, hub: Hub) -> None:
         self.board, self.scheduler, self.loop, self.hub = board, scheduler, loop, hub
         self._timer: Any = None  # the next check, while tasks run
 

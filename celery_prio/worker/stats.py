@@ -61,6 +61,7 @@ class TierFigures:
     runtimes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     promoted_seen: int = 0  # fetched messages that had been promoted into this tier
     boosted_seen: int = 0  # fetched messages that celery_prio.boost had lifted into this tier
+    expired: int = 0  # calls past their deadline when fetched: marked expired, not run
     max_wait: float = 0.0
     head_wait: float | None = None  # wait of the last message taken from the head
     head_seen_at: float | None = None
@@ -83,6 +84,9 @@ class WorkerStats:
             figures.wait_hist.observe(wait)
             figures.max_wait = max(figures.max_wait, wait)
             figures.head_wait, figures.head_seen_at = wait, now
+
+    def observe_expired(self, tier: Tier) -> None:
+        self.tiers[tier].expired += 1
 
     def observe_boosted(self, tier: Tier) -> None:
         self.tiers[tier].boosted_seen += 1
@@ -123,6 +127,7 @@ class WorkerStats:
             "run_p99_ms": ms(percentile(runs, 99)),
             "promoted_seen": f.promoted_seen,
             "boosted_seen": f.boosted_seen,
+            "expired": f.expired,
             "batches": None
             if not f.batch_hist.n
             else {

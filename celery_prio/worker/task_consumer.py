@@ -10,7 +10,8 @@ messages, the fleet watch, the report.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from celery.worker.consumer import Consumer
 from kombu import Exchange, Queue
@@ -21,6 +22,10 @@ from ..settings import PrioSettings
 from .foreign_work import LEGACY_CHECK_INTERVAL, LegacyQueues
 from .report import WorkerReport
 from .worker_runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from celery.worker.request import Request
+    from kombu.message import Message
 
 
 class TierFetcher:
@@ -33,23 +38,23 @@ class TierFetcher:
         self.settings = settings
         self.runtime = WorkerRuntime(consumer, settings, superseded)
         self.reconnected = reconnected  # this process fetched on a connection before, which died
-        self.consumed: list[Any] = []  # the queues -Q (or add_consumer) named; sub-queues are served beside them
+        self.consumed: list[Queue] = []  # the queues -Q (or add_consumer) named; sub-queues are served beside them
         self.legacy = LegacyQueues(self)
         for queue in consumer.app.amqp.queues.consume_from.values():
             self.add_queue(queue)
 
     # -- kombu.Consumer look-alike ------------------------------------------
     @property
-    def on_message(self) -> Any:
+    def on_message(self) -> Callable[[Message], None] | None:
         return self.runtime.intake.handler
 
     @on_message.setter
-    def on_message(self, handler: Any) -> None:  # set by Celery's loop to its task handler
+    def on_message(self, handler: Callable[[Message], None] | None) -> None:  # set by Celery's loop to its task handler
         self.runtime.intake.handler = handler
         self.runtime.loop.deliver = None if handler is None else self.runtime.intake.deliver
 
     @property
-    def channel(self) -> Any:
+    def channel(self) -> object:
         """The channel the worker fetches and acks on (the source may replace it after a failed declare)."""
         return self.runtime.source.channel
 
@@ -58,7 +63,7 @@ class TierFetcher:
         return self.runtime.loop.active
 
     @property
-    def queues(self) -> list[Any]:
+    def queues(self) -> list[Queue]:
         """What ``inspect active_queues`` (and so Flower's broker page) lists: the queues consumed, then the
         sub-queues served beside them that have been published to (realtime's per-task shortest-first queues,
         tenants', batched tasks'), so that every queue where a tier's work waits shows with its depth."""
@@ -68,7 +73,7 @@ class TierFetcher:
         subqueues = [n for n in served.all_names() if n in discovered and n not in consumed]
         return self.consumed + [Queue(n, Exchange(""), routing_key=n, no_declare=True) for n in subqueues]
 
-    def add_queue(self, queue: Any) -> Any:
+    def add_queue(self, queue: Queue) -> Queue:
         if not self.consuming_from(queue.name):
             queue = queue.bind(self.channel)
             queue.declare()
@@ -76,7 +81,7 @@ class TierFetcher:
             self.runtime.serve(q.name for q in self.consumed)
         return queue
 
-    def consuming_from(self, queue: Any) -> bool:
+    def consuming_from(self, queue: Queue | str) -> bool:
         name = getattr(queue, "name", queue)
         return any(q.name == name for q in self.consumed)
 
@@ -101,11 +106,11 @@ class TierFetcher:
         # still finishing during a warm shutdown.
         self.cancel()
 
-    def qos(self, prefetch_count: int = 0, **_: Any) -> None:
+    def qos(self, prefetch_count: int = 0, **_: object) -> None:
         """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
 
     # -- what PrioConsumer calls -------------------------------------------------
-    def track(self, request: Any) -> None:
+    def track(self, request: Request) -> None:
         """Called for every request Celery hands to the pool."""
         self.runtime.track(request)
 
@@ -113,7 +118,7 @@ class TierFetcher:
         """A pool job ended (any thread)."""
         self.runtime.slot_freed()
 
-    def dead_letter(self, message: Any, reason: str) -> None:
+    def dead_letter(self, message: Message, reason: str) -> None:
         """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""
         self.runtime.intake.dead_letter(message, reason)
 
@@ -122,7 +127,7 @@ class TierFetcher:
         """No broker call: safe from the metrics thread."""
         return self.runtime.report()
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         return self.report().as_dict()
 
 

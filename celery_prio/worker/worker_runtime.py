@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Container, Iterable
+from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
@@ -25,7 +25,7 @@ from ..policy.served import ServedQueues
 from ..policy.superseded import PENDING_FOR, Superseded
 from ..settings import PrioSettings
 from ..tiers import Tier
-from .batching import Batcher
+from .batching import Batcher, BatchRun
 from .fetchloop import FetchLoop
 from .fleet_watch import FleetWatch
 from .foreign_work import announce_tasks
@@ -37,6 +37,10 @@ from .slice_board import board
 from .slice_preemption import SlicePreemption
 from .stats import WorkerStats
 from .unserved import UNSERVED_CHECK_INTERVAL
+
+if TYPE_CHECKING:
+    from celery.worker.request import Request
+    from kombu.message import Message
 
 logger = get_logger(__name__)
 
@@ -61,6 +65,7 @@ class WorkerRuntime:
         )
         self.source.attach_loop(hub)
         concurrency = concurrency_of(consumer)
+        self.source.slots = concurrency
         # Slots held back for realtime arrivals, while this worker serves realtime (see ``serve``).
         self.realtime_reserve = settings.effective_reserve(concurrency)
         self.scheduler = scheduler_for(
@@ -96,6 +101,7 @@ class WorkerRuntime:
             self.source, self.loop, self.served, self.stats, self.batcher, superseded, consumer.on_decode_error,
             hub.call_later,
         )  # fmt: skip
+        self.intake.deadline = settings.realtime_deadline
         self.watch = FleetWatch(self.source, self.served, settings, self._idle)
         self.slices = SlicePreemption(self.board, self.scheduler, self.loop, hub)
         self.housekeeping = Housekeeping(hub)
@@ -153,7 +159,7 @@ class WorkerRuntime:
         self.housekeeping.stop()
         self.slices.stop()
 
-    def track(self, request: Any) -> None:
+    def track(self, request: Request) -> None:
         """Called for every request Celery hands to the pool."""
         tier = self.loop.fetching
         if tier is None:  # an ETA or rate-limited request whose time has come
@@ -186,7 +192,7 @@ class WorkerRuntime:
         return self.loop.idle_since is not None and not len(self.loop.ledger)
 
     # -- batches (``celery_prio.Batch``, ``batching.py``) -----------------------------------
-    def _take_more(self, batch: Any, count: int, max_bytes: int) -> list[Any]:
+    def _take_more(self, batch: BatchRun, count: int, max_bytes: int) -> list[Message]:
         """More of a batched task's calls from its own queue in the batch's tier (one broker call)."""
         name = batch.task.name
         queue = self.settings.subqueue_name(batch.tier, self.settings.sjf_subqueue(name))
@@ -194,7 +200,7 @@ class WorkerRuntime:
             return []
         return self.source.take_more(queue, batch.tier, count, name, max_bytes)
 
-    def _batch_done(self, batch: Any, failed: int) -> None:
+    def _batch_done(self, batch: BatchRun, failed: int) -> None:
         self.stats.observe_batch(batch.tier, len(batch.requests), failed)
         self.slot_freed()
 
@@ -225,7 +231,7 @@ def concurrency_of(consumer: Consumer) -> int:
 class _Held:
     """What still holds a slot: Celery's reserved requests, and the batches in flight."""
 
-    def __init__(self, requests: Any, batches: Any) -> None:
+    def __init__(self, requests: Container[object], batches: Container[object]) -> None:
         self.requests, self.batches = requests, batches
 
     def __contains__(self, key: object) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from amqp.exceptions import NotFound
 
@@ -16,13 +16,16 @@ from .management import listed_subqueues, management_client
 from .registry import existing_depths, read_registry, serving_counts
 from .topology import declare_subqueue
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 logger = logging.getLogger(__name__)
 
 
 class AmqpAdapter(Broker):
     kind = "amqp"
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Celery) -> None:
         super().__init__(app)
         self.connection = app.connection_for_write()
         self.connection.ensure_connection(max_retries=3)
@@ -56,7 +59,7 @@ class AmqpAdapter(Broker):
             channel.exchange_delete(exchange=name)
 
     # -- dead letters -------------------------------------------------------
-    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, object]]:
         """Browse without consuming: fetch, describe, then give them all back."""
         channel = self.connection.channel()
         try:
@@ -132,15 +135,15 @@ class AmqpAdapter(Broker):
         self.connection.release()
 
 
-def tier_drain_rate(app: Any, settings: PrioSettings, tier: Tier) -> float:
+def tier_drain_rate(app: Celery, settings: PrioSettings, tier: Tier) -> float:
     return management_client(app, settings).drain_rate(settings.queue_name(tier))
 
 
-def _death_annotation(key: Any) -> bool:
+def _death_annotation(key: object) -> bool:
     return isinstance(key, str) and (key == "x-death" or key.startswith(("x-first-death", "prio_dead_")))
 
 
-def dead_origin(headers: Any) -> str | None:
+def dead_origin(headers: object) -> str | None:
     """The queue a dead letter came from: our own annotation first, else RabbitMQ's ``x-death``."""
     if not isinstance(headers, dict):
         return None
@@ -151,7 +154,7 @@ def dead_origin(headers: Any) -> str | None:
     return origin if isinstance(origin, str) else None
 
 
-def describe_dead(headers: Any) -> dict[str, Any]:
+def describe_dead(headers: object) -> dict[str, object]:
     """One dead letter as ``dead list`` shows it; never raises on odd headers."""
     if not isinstance(headers, dict):
         headers = {}

@@ -48,7 +48,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import amqp
 
@@ -58,10 +58,15 @@ from ...settings import PrioSettings
 from ...signing import NO_KEY, app_boost_key, sign, verified
 from ...tiers import Tier
 from ..base import Boost
-from ..publishing import Booster
+from ..publishing import Booster, Publisher
 from ..shared import boost_lane, tier_full
 from .continuations import aging_expiration
 from .registry import passive_declares, read_to_marker
+
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+    from amqp import Connection as AmqpConnection
+    from celery import Celery
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +84,24 @@ def fleet_name(settings: PrioSettings) -> str:
     return f"{settings.queue_prefix}.fleet"
 
 
+#: A boost journal record as ``Superseded.merge`` takes it: ``[id, generation, None]``, ``+ ["pending"]``.
+JournalRecord = list[str | int | None]
+
+
 @dataclass
 class Published:
     """One task message as this process published it (what a lifted copy is made of)."""
 
     tier: Tier
     queue: str
-    body: Any
+    body: object
     headers: dict
     properties: dict
     generation: int = 0  # boosts so far
     size: int = 0  # about how many bytes it holds (``approx_size``): the memory is bounded by bytes too
 
 
-def approx_size(value: Any, budget: int = 200) -> int:
+def approx_size(value: object, budget: int = 200) -> int:
     """About how many bytes ``value`` (a task's args and kwargs) weighs, in bounded time: long lists are
     sampled, not walked, so a 4,096-image batch costs as much to weigh as a small one."""
     if isinstance(value, (bytes, bytearray, memoryview, str)):
@@ -133,7 +142,7 @@ class RecentPublishes:
         if all(s.queue_prefix != settings.queue_prefix for s in self._settings):
             self._settings.append(settings)
 
-    def _tier(self, queue: Any) -> Tier | None:
+    def _tier(self, queue: object) -> Tier | None:
         if not isinstance(queue, str):
             return None
         for settings in self._settings:
@@ -142,28 +151,35 @@ class RecentPublishes:
                 return tier
         return None
 
-    def before_publish(self, body: Any = None, routing_key: Any = None, headers: Any = None, **kw: Any) -> None:
+    def before_publish(
+        self, body: object = None, routing_key: str | None = None, headers: object = None, **kw: object
+    ) -> None:
         tier = self._tier(routing_key) if self.size else None
-        if tier is None or tier is Tier.REALTIME or not isinstance(headers, dict):
+        if tier is None or tier is Tier.REALTIME or not isinstance(headers, dict) or routing_key is None:
             self._pending.value = None
             return
         size = approx_size(body)
         if size > self.max_bytes:  # bigger than the whole memory: not boostable from here (boost says not_found)
             self._pending.value = None
             return
-        self._pending.value = Published(tier, routing_key, body, headers, dict(kw.get("properties") or {}), size=size)
+        properties = kw.get("properties")
+        kept = dict(properties) if isinstance(properties, dict) else {}
+        self._pending.value = Published(tier, routing_key, body, headers, kept, size=size)
 
-    def after_publish(self, headers: Any = None, **_: Any) -> None:
-        pending = getattr(self._pending, "value", None)
+    def after_publish(self, headers: object = None, **_: object) -> None:
+        pending: Published | None = getattr(self._pending, "value", None)
         self._pending.value = None
-        if pending is None or pending.headers is not headers or not isinstance(headers.get("id"), str):
+        if pending is None or pending.headers is not headers:
+            return
+        task_id = pending.headers.get("id")
+        if not isinstance(task_id, str):
             return
         with self.lock:
-            replaced = self._entries.pop(headers["id"], None)
+            replaced = self._entries.pop(task_id, None)
             self.bytes += pending.size - (replaced.size if replaced else 0)
-            self._entries[headers["id"]] = pending
+            self._entries[task_id] = pending
             while len(self._entries) > self.size or self.bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
+                _id, old = self._entries.popitem(last=False)
                 self.bytes -= old.size
 
     def get(self, task_id: str) -> Published | None:
@@ -176,7 +192,7 @@ class _AllAnswered(Exception):
 
 
 class AmqpBooster(Booster):
-    def __init__(self, publisher: Any, waiting: Callable[[Tier], int], recent: RecentPublishes) -> None:
+    def __init__(self, publisher: Publisher, waiting: Callable[[Tier], int], recent: RecentPublishes) -> None:
         super().__init__(publisher)
         self._lock = threading.Lock()  # one boost at a time: concurrent boosts of one id publish one copy
         # Messages waiting in a tier (its queue, front lane and sub-queues): what a boost into it counts against
@@ -238,7 +254,7 @@ class AmqpBooster(Booster):
             return Boost("boosted", task_id, tier, from_tier, published.queue)
 
     def _ask_fleet(
-        self, app: Any, channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int
+        self, app: Celery, channel: AmqpChannel, settings: PrioSettings, key: bytes, task_id: str, generation: int
     ) -> list[dict] | None:
         """Every live worker's answer to ``prio_supersede``; None when there is none, or one did not answer."""
         expected = fleet_size(channel, settings)
@@ -246,7 +262,7 @@ class AmqpBooster(Booster):
             return None  # nobody to skip the original: the first worker to start would run both copies
         answers: dict[str, dict] = {}  # one per worker: a node answering twice is one answer
 
-        def on_reply(reply: Any) -> None:
+        def on_reply(reply: object) -> None:
             for node, answer in reply.items() if isinstance(reply, dict) else ():
                 # Every Celery worker on the vhost hears the broadcast; only this app's prio workers count,
                 # and only answers signed under the app's key (a forged "not held" would make a copy run twice).
@@ -269,12 +285,14 @@ class AmqpBooster(Booster):
         return list(answers.values()) if len(answers) >= expected else None
 
     @staticmethod
-    def _withdraw(app: Any, channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int) -> None:
+    def _withdraw(
+        app: Celery, channel: AmqpChannel, settings: PrioSettings, key: bytes, task_id: str, generation: int
+    ) -> None:
         write_journal(channel, settings, key, task_id, generation, "withdrawn")
         app.control.broadcast("prio_supersede", arguments=supersede_arguments(key, task_id, generation, "retract"))
 
 
-def supersede_arguments(key: bytes, task_id: str, generation: int, action: str) -> dict[str, Any]:
+def supersede_arguments(key: bytes, task_id: str, generation: int, action: str) -> dict[str, object]:
     """A signed ``prio_supersede`` broadcast: ``pending`` (answer whether held), ``commit`` or ``retract``."""
     flags = {"commit": action == "commit", "retract": action == "retract"}
     return {
@@ -285,7 +303,7 @@ def supersede_arguments(key: bytes, task_id: str, generation: int, action: str) 
     }
 
 
-def declare_journal(channel: Any, settings: PrioSettings) -> None:
+def declare_journal(channel: AmqpChannel, settings: PrioSettings) -> None:
     channel.queue_declare(
         queue=journal_name(settings),
         durable=True,
@@ -298,7 +316,9 @@ def declare_journal(channel: Any, settings: PrioSettings) -> None:
 PHASES = ("prepare", "commit", "withdrawn")
 
 
-def write_journal(channel: Any, settings: PrioSettings, key: bytes, task_id: str, generation: int, phase: str) -> None:
+def write_journal(
+    channel: AmqpChannel, settings: PrioSettings, key: bytes, task_id: str, generation: int, phase: str
+) -> None:
     """Append one signed boost record to the journal, confirmed by the broker before returning."""
     declare_journal(channel, settings)
     record = {
@@ -313,13 +333,13 @@ def write_journal(channel: Any, settings: PrioSettings, key: bytes, task_id: str
     )
 
 
-def fleet_size(channel: Any, settings: PrioSettings) -> int:
+def fleet_size(channel: AmqpChannel, settings: PrioSettings) -> int:
     """How many of this app's workers are up now: the consumers of ``<prefix>.fleet`` (exact, no cache)."""
     (ok,) = passive_declares(channel.connection, [fleet_name(settings)])
     return int(ok.consumer_count) if ok else 0  # None: no worker ever joined
 
 
-def join_fleet(channel: Any, settings: PrioSettings) -> None:
+def join_fleet(channel: AmqpChannel, settings: PrioSettings) -> None:
     """Count this worker in the fleet for as long as ``channel``'s connection is up."""
     from .topology import quorum_arguments
 
@@ -329,7 +349,7 @@ def join_fleet(channel: Any, settings: PrioSettings) -> None:
     channel.basic_consume(queue=fleet_name(settings), no_ack=True, callback=lambda message: None)
 
 
-def read_journal(connection: Any, settings: PrioSettings, key: bytes) -> list[list[Any]]:
+def read_journal(connection: AmqpConnection, settings: PrioSettings, key: bytes) -> list[JournalRecord]:
     """Every boost in the journal, as ``Superseded.merge`` takes them: ``[id, gen, None]`` when committed,
     ``[id, gen, None, "pending"]`` when prepared and not (yet) committed; withdrawals applied.
 
@@ -337,7 +357,7 @@ def read_journal(connection: Any, settings: PrioSettings, key: bytes) -> list[li
     written before the call is missed. Only records signed with ``key`` count.
     ``connection`` is a py-amqp connection of its own (this drains its events).
     """
-    records: OrderedDict[str, list[Any]] = OrderedDict()
+    records: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # id: (generation, pending)
     forged = 0
 
     def on_record(headers: dict) -> None:
@@ -350,16 +370,19 @@ def read_journal(connection: Any, settings: PrioSettings, key: bytes) -> list[li
             return
         known = records.get(task_id)
         if phase == "withdrawn":
-            if known is not None and known[1] == gen:
+            if known is not None and known[0] == gen:
                 del records[task_id]
         elif phase == "prepare":
-            if known is None or known[1] < gen:
-                records[task_id] = [task_id, gen, None, "pending"]
-        elif known is None or known[1] <= gen:  # commit
-            records[task_id] = [task_id, gen, None]
+            if known is None or known[0] < gen:
+                records[task_id] = (gen, True)
+        elif known is None or known[0] <= gen:  # commit
+            records[task_id] = (gen, False)
 
     declare = lambda channel: declare_journal(channel, settings)  # noqa: E731
     read_to_marker(connection, journal_name(settings), declare, on_record, JOURNAL_READ_TIMEOUT)
     if forged:
         logger.warning("celery-prio: ignored %d boost record(s) not signed with this app's key", forged)
-    return list(records.values())
+    return [
+        [task_id, gen, None, "pending"] if pending else [task_id, gen, None]
+        for task_id, (gen, pending) in records.items()
+    ]

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import QueueFull
 from ...settings import PrioSettings
 from ...tiers import Tier
 from ..publishing import BulkSession
 from ..shared import fast_json
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from kombu import Connection, Message
 
 
 class AmqpBulkSession(BulkSession):
@@ -25,8 +29,8 @@ class AmqpBulkSession(BulkSession):
 
     def __init__(
         self,
-        app: Any,
-        connection: Any,
+        app: Celery,
+        connection: Connection,
         settings: PrioSettings,
         tier: Tier,
         queue: str | None,
@@ -46,7 +50,7 @@ class AmqpBulkSession(BulkSession):
         self._frames: Any = None  # amqp_wire.PublishFrames, from the first message
         self._shared_kwargs: tuple[Any, str] = ({}, "{}")
 
-    def prepare(self, message: Any) -> tuple[bytes, str, dict[str, Any]]:
+    def prepare(self, message: Message) -> tuple[bytes, str, dict[str, Any]]:
         """``(body, correlation_id, headers that differ)`` of one call; what the calls share is prepared once."""
         headers = message.headers
         if self._frames is None:

@@ -38,7 +38,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
@@ -46,13 +46,18 @@ from ...tiers import Tier
 from ..base import Job, Take
 from .fetch import AmqpFetchSource
 
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+    from amqp.basic_message import Message as AmqpMessage
+    from celery import Celery
+
 logger = logging.getLogger(__name__)
 
 
 class AmqpConsumeSource(AmqpFetchSource):
     """``AmqpFetchSource`` with the tier queues and front lanes pushed to consumers (see the module doc)."""
 
-    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings) -> None:
+    def __init__(self, app: Celery, channel: AmqpChannel, served: ServedQueues, settings: PrioSettings) -> None:
         super().__init__(app, channel, served, settings)
         self.hold_max = settings.hold_max
         # A consumer that was armed this recently may still be pushed a message (RabbitMQ pushes a queue's
@@ -122,7 +127,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         for _ in range(max(target, 1) - self._consumers(name)):
             self._consume(name)
 
-    def _settles_late(self, raw: Any) -> bool:
+    def _settles_late(self, raw: AmqpMessage) -> bool:
         """Celery leaves it unacked long after it starts (ETA, ``acks_late``, rate limit): its consumer is stuck."""
         headers = raw.properties.get("application_headers") or {}
         if headers.get("eta"):
@@ -148,7 +153,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._parked.discard(name)
         del self._out[name], self._hand[name]
 
-    def _arrived(self, raw: Any) -> None:
+    def _arrived(self, raw: AmqpMessage) -> None:
         """A delivery (from inside ``drain_events``): into the hand; the fetch loop pumps on its next turn."""
         tag = raw.delivery_info.get("consumer_tag")
         name = self._queue_of.get(tag)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...headers import SLICE_GENERATION, SLICE_ID
 from ...settings import PrioSettings
@@ -27,6 +27,9 @@ from ...tiers import Tier
 from ..publishing import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, tier_queues
 from .registry import read_to_marker
+
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
 
 #: The slices journal keeps at most this many bytes (its records are about 100 bytes each).
 JOURNAL_MAX_BYTES = 64 * 1024 * 1024
@@ -41,7 +44,7 @@ def journal_name(settings: PrioSettings) -> str:
     return f"{settings.queue_prefix}.slices"
 
 
-def declare_journal(channel: Any, settings: PrioSettings) -> None:
+def declare_journal(channel: AmqpChannel, settings: PrioSettings) -> None:
     channel.queue_declare(
         queue=journal_name(settings),
         durable=True,
@@ -53,6 +56,9 @@ def declare_journal(channel: Any, settings: PrioSettings) -> None:
             "x-stream-max-segment-size-bytes": JOURNAL_MAX_BYTES // 8,  # retention drops whole segments
         },
     )
+
+
+T = TypeVar("T")
 
 
 class AmqpContinuations(ProcessConnection, Continuations):
@@ -81,7 +87,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
             raise
         return list(follower.names)
 
-    def _with_channel(self, work: Callable[[Any], Any]) -> Any:
+    def _with_channel(self, work: Callable[[AmqpChannel], T]) -> T:
         conn = self.connection()
         try:
             channel = conn.channel()
@@ -101,7 +107,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
         options = aging_expiration(settings, continuation.tier, continuation.enqueued_at)
         record = {SLICE_ID: continuation.task_id, SLICE_GENERATION: continuation.generation, "at": time.time()}
 
-        def work(channel: Any) -> None:
+        def work(channel: AmqpChannel) -> None:
             declare_journal(channel, settings)
             channel.tx_select()
             continuation.send(Producer(channel, auto_declare=False), **options)
@@ -150,7 +156,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
 
         names = tier_queues(self.settings, tier, self.subqueues())
 
-        def work(channel: Any) -> int:
+        def work(channel: AmqpChannel) -> int:
             total = 0
             for name in names:
                 try:
@@ -162,7 +168,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
         return self._with_channel(work)
 
 
-def aging_expiration(settings: PrioSettings, tier: Tier, enqueued_at: Any) -> dict[str, float]:
+def aging_expiration(settings: PrioSettings, tier: Tier, enqueued_at: object) -> dict[str, float]:
     """RabbitMQ ages by time in queue: the continuation expires (is promoted) when the first publish would have."""
     threshold = settings.aging[tier]
     if threshold is None or not isinstance(enqueued_at, (int, float)):

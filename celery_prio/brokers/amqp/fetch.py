@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import amqp
 
@@ -12,11 +12,18 @@ from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import MAX_ANNOUNCED_TASKS, BrokerFetchSource, Take
+from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, Take
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
 from .registry import Presence, RegistryFollower, existing_depths, serving_counts
 from .topology import declare_subqueue, declare_tier_queues, quorum_arguments
+
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+    from amqp.basic_message import Message as AmqpMessage
+    from celery import Celery
+    from kombu.asynchronous import Hub
+    from kombu.message import Message
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ class AmqpFetchSource(BrokerFetchSource):
     message callback.
     """
 
-    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings) -> None:
+    def __init__(self, app: Celery, channel: AmqpChannel, served: ServedQueues, settings: PrioSettings) -> None:
         from kombu.serialization import prepare_accept_content
 
         super().__init__(served, settings)
@@ -128,11 +135,11 @@ class AmqpFetchSource(BrokerFetchSource):
             looked = [tq for tq in looked if rank[tq[0]] <= rank[found[0]]]
         return self._take_found(found, looked)
 
-    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Any]:
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Message]:
         """Up to ``count`` more messages of ``task`` from ``queue`` (a batch): ``basic_get`` pipelined, one
         round trip per window. One of another task (nothing routes one there, but anyone can publish), or one
         beyond ``max_bytes`` in hand, goes back with whatever rode along behind it."""
-        out: list[Any] = []
+        out: list[Message] = []
         window, stop, taken_bytes = min(count, self._pipeline_max), False, 0
         while len(out) < count and not stop:
             for raw in self.get_many([queue] * min(window, count - len(out))):
@@ -150,7 +157,7 @@ class AmqpFetchSource(BrokerFetchSource):
                     taken_bytes += len(raw.body or b"")
         return out
 
-    def attach_loop(self, hub: Any) -> None:
+    def attach_loop(self, hub: Hub) -> None:
         self._hub = hub
 
     def wait_for_work(self, order: list[Tier]) -> bool:
@@ -189,7 +196,7 @@ class AmqpFetchSource(BrokerFetchSource):
 
     def _first_found(
         self, plan: list[tuple[Tier, str]], now: float
-    ) -> tuple[tuple[Tier, str, Any] | None, list[tuple[Tier, str]]]:
+    ) -> tuple[tuple[Tier, str, AmqpMessage] | None, list[tuple[Tier, str]]]:
         """The first message in ``plan``'s order (tier, queue, raw message) and the queues found empty before it."""
         asked: list[tuple[Tier, str]] = []  # found empty, in asking order, before anything was found
         start = 0
@@ -199,7 +206,7 @@ class AmqpFetchSource(BrokerFetchSource):
                 end += 1
             window = plan[start:end]
             start = end
-            found: tuple[Tier, str, Any] | None = None
+            found: tuple[Tier, str, AmqpMessage] | None = None
             for (tier, name), raw in zip(window, self.get_many([name for _, name in window]), strict=True):
                 if raw is None:
                     self._empty_at[name] = now
@@ -214,7 +221,7 @@ class AmqpFetchSource(BrokerFetchSource):
                 return found, asked
         return None, asked
 
-    def _take_found(self, found: tuple[Tier, str, Any] | None, asked: list[tuple[Tier, str]]) -> Take:
+    def _take_found(self, found: tuple[Tier, str, AmqpMessage] | None, asked: list[tuple[Tier, str]]) -> Take:
         empty_queues = tuple(n for _, n in asked)
         if found is None:
             return Take(empty=_empty_tiers(asked, before=None), empty_queues=empty_queues)
@@ -316,7 +323,7 @@ class AmqpFetchSource(BrokerFetchSource):
     def fleet_knows_task(self, name: str) -> bool:
         return name in self.follower.tasks
 
-    def join_fleet(self) -> list[list[Any]]:
+    def join_fleet(self) -> list[BoostRecord]:
         from ...signing import NO_KEY, app_boost_key
         from .boost import join_fleet, read_journal
 
@@ -354,7 +361,7 @@ class AmqpFetchSource(BrokerFetchSource):
         logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
         return records
 
-    def get_many(self, queues: list[str]) -> list[Any]:
+    def get_many(self, queues: list[str]) -> list[AmqpMessage | None]:
         """One ``basic_get`` per queue, all sent before the first answer is read: one round trip.
 
         py-amqp answers ``basic_get`` synchronously; its frames are sent here
@@ -369,13 +376,13 @@ class AmqpFetchSource(BrokerFetchSource):
             return [channel.basic_get(queue=queues[0], no_ack=False)]
         for queue in queues:
             channel.send_method(spec.Basic.Get, "Bsb", (0, queue, False))
-        out = []
+        out: list[AmqpMessage | None] = []
         for _ in queues:
             reply = channel.wait([spec.Basic.GetOk, spec.Basic.GetEmpty], returns_tuple=True)
             out.append(channel._on_get_ok(*reply) if reply and len(reply) >= 2 else None)
         return out
 
-    def _to_python(self, raw: Any, queue: str) -> Any:
+    def _to_python(self, raw: AmqpMessage, queue: str) -> Message | None:
         """kombu's message for ``raw``; one kombu cannot read goes to the dead letters (None)."""
         try:
             message = self.channel.message_to_python(raw)
@@ -391,10 +398,12 @@ class AmqpFetchSource(BrokerFetchSource):
         # On a probe channel: a queue deleted since it was found closes that channel, not the fetch channel.
         return existing_depths(self.channel.connection, names)
 
-    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+    def dead_letter(self, message: Message, reason: str, tier: Tier) -> None:
         self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
 
-    def _publish_dead(self, body: Any, properties: dict, reason: str, queue: str, tier: Tier | None) -> None:
+    def _publish_dead(
+        self, body: bytes, properties: dict[str, object], reason: str, queue: str, tier: Tier | None
+    ) -> None:
         logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
         props = dict(properties or {})
         headers = props.get("application_headers")

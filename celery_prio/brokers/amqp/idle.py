@@ -29,7 +29,11 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+    from amqp.basic_message import Message as AmqpMessage
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class IdleWait:
     def __init__(self, on_arrival: Callable[[], None], has_room: Callable[[], bool] = lambda: True) -> None:
         self.on_arrival = on_arrival
         self.has_room = has_room  # a free slot now (slots also fill without a fetch)
-        self.channel: Any = None
+        self.channel: AmqpChannel | None = None
         self._tags = itertools.count(1)
         self._tag_of: dict[str, str] = {}  # queue -> its live consumer's tag
         self._queue_of: dict[str, str] = {}  # consumer tag -> queue
@@ -68,7 +72,7 @@ class IdleWait:
         """A consumer waits on ``queue`` and was pushed nothing: it is empty (for this worker) right now."""
         return queue in self._tag_of
 
-    def start(self, channel: Any, queues: Iterable[str]) -> None:
+    def start(self, channel: AmqpChannel, queues: Iterable[str]) -> None:
         """Wait on ``queues`` (a consumer each, prefetch 1; those already watched keep theirs)."""
         if channel is not self.channel:  # first wait, or a failed declare replaced the channel
             self.channel, self._tag_of, self._queue_of, self._hand = channel, {}, {}, {}
@@ -83,7 +87,7 @@ class IdleWait:
             self._tag_of[queue], self._queue_of[tag] = tag, queue
             self.waits += 1
 
-    def _delivered(self, raw: Any) -> None:
+    def _delivered(self, raw: AmqpMessage) -> None:
         """A push (from inside ``drain_events``): its consumer goes, the message waits for the fetch it wakes."""
         queue = self._queue_of.get(raw.delivery_info.get("consumer_tag"))
         if queue is None:  # a consumer cancelled meanwhile: never keep what nobody takes
@@ -121,7 +125,7 @@ class IdleWait:
         for queue in list(self._tag_of):
             self._cancel(queue)
 
-    def take(self, queue: str) -> Any:
+    def take(self, queue: str) -> AmqpMessage:
         return self._hand[queue].popleft()
 
     def give_back(self) -> None:

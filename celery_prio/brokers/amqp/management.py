@@ -24,12 +24,15 @@ import threading
 import time
 import urllib.parse
 from base64 import b64encode
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu.utils.url import url_to_parts
 
 from ...settings import PrioSettings
 from ...tiers import TIERS
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class ManagementClient:
                 break
         return out
 
-    def _get_json(self, path: str) -> Any:
+    def _get_json(self, path: str) -> object:
         """The decoded JSON body of a GET (None for any failure or a status other than 200). Caller holds the lock.
 
         ``path`` is relative to the endpoint's own path. A kept-alive
@@ -224,7 +227,7 @@ def management_endpoint(
     return ";".join(bases), vhost, tuple(auths), problem
 
 
-def management_client(app: Any, settings: Any) -> ManagementClient:
+def management_client(app: Celery, settings: PrioSettings) -> ManagementClient:
     """The process's one client for this app's management endpoint."""
     url = app.conf.broker_write_url or app.conf.broker_url or "amqp://localhost"
     if isinstance(url, (list, tuple)):
@@ -247,6 +250,6 @@ def subqueue_pattern(settings: PrioSettings) -> str:
     return rf"^({tiers})\.(?!promoted$)[A-Za-z0-9][A-Za-z0-9_-]{{0,63}}$"
 
 
-def listed_subqueues(app: Any, settings: PrioSettings) -> list[tuple[str, int | None]] | None:
+def listed_subqueues(app: Celery, settings: PrioSettings) -> list[tuple[str, int | None]] | None:
     """This app's sub-queues and their ready counts from the management API; None when it cannot list."""
     return management_client(app, settings).list_queues(subqueue_pattern(settings))

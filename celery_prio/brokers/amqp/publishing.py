@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu import Queue
 
@@ -15,13 +15,20 @@ from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..publishing import BulkSession, Publisher
 
+if TYPE_CHECKING:
+    from celery import Celery
+    from kombu import Connection
+
+    from .boost import AmqpBooster, RecentPublishes
+    from .continuations import AmqpContinuations
+
 logger = logging.getLogger(__name__)
 
 
 class AmqpPublisher(Publisher):
     kind = "amqp"
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Celery) -> None:
         super().__init__(app)
         self._declared = threading.Event()
         self._refusal_lock = threading.Lock()
@@ -41,7 +48,7 @@ class AmqpPublisher(Publisher):
             announce(channel, settings, name)
 
     @functools.cached_property
-    def continuations(self) -> Any:
+    def continuations(self) -> AmqpContinuations:
         from .continuations import AmqpContinuations
 
         return AmqpContinuations(self)
@@ -52,13 +59,13 @@ class AmqpPublisher(Publisher):
     )
 
     @functools.cached_property
-    def booster(self) -> Any:
+    def booster(self) -> AmqpBooster:
         from .boost import AmqpBooster
 
         return AmqpBooster(self, self.continuations.waiting, self.recent_publishes)
 
     @functools.cached_property
-    def recent_publishes(self) -> Any:
+    def recent_publishes(self) -> RecentPublishes:
         """This app's recent batch/offline messages published by this process: what a boost here republishes."""
         from .boost import RecentPublishes
 
@@ -94,7 +101,7 @@ class AmqpPublisher(Publisher):
 
         return [tier_queue(self.settings, tier) for tier in TIERS]
 
-    def configure(self, options: dict[str, Any]) -> None:
+    def configure(self, options: dict[str, object]) -> None:
         settings = self.settings
         if any(settings.max_length[t] is not None and settings.overflow[t] == "reject" for t in TIERS):
             # A full reject-publish queue only tells a publisher that uses confirms
@@ -114,7 +121,7 @@ class AmqpPublisher(Publisher):
                 declare_tier_queues(conn.channel(), self.settings)
             self._declared.set()
 
-    def new_bulk_session(self, connection: Any, tier: Tier, queue: str | None) -> BulkSession:
+    def new_bulk_session(self, connection: Connection, tier: Tier, queue: str | None) -> BulkSession:
         from .bulk import AmqpBulkSession
 
         self.before_send()

@@ -27,13 +27,18 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import amqp
 from amqp.exceptions import NotFound
 
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
+
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+    from amqp import Connection as AmqpConnection
+    from kombu import Connection, Message
 
 #: The registry keeps a name this long after its last announcement, and at most this many bytes.
 REGISTRY_MAX_AGE = "7D"
@@ -51,7 +56,7 @@ def registry_name(settings: PrioSettings) -> str:
     return settings.subqueue_registry
 
 
-def declare_registry(channel: Any, settings: PrioSettings) -> None:
+def declare_registry(channel: AmqpChannel, settings: PrioSettings) -> None:
     channel.queue_declare(
         queue=registry_name(settings),
         durable=True,
@@ -60,7 +65,7 @@ def declare_registry(channel: Any, settings: PrioSettings) -> None:
     )
 
 
-def announce(channel: Any, settings: PrioSettings, name: str) -> None:
+def announce(channel: AmqpChannel, settings: PrioSettings, name: str) -> None:
     """Append sub-queue ``name`` to the registry, confirmed by the broker before returning."""
     declare_registry(channel, settings)
     channel.basic_publish_confirm(
@@ -70,7 +75,7 @@ def announce(channel: Any, settings: PrioSettings, name: str) -> None:
     )
 
 
-def announce_tasks(channel: Any, settings: PrioSettings, names: list[str]) -> None:
+def announce_tasks(channel: AmqpChannel, settings: PrioSettings, names: list[str]) -> None:
     """Append one record naming the tasks a worker has registered (the fleet's task directory), confirmed."""
     declare_registry(channel, settings)
     channel.basic_publish_confirm(
@@ -118,7 +123,7 @@ class RegistryFollower:
         self.problem: str | None = "not started"
         self.channel: Any = None
 
-    def start(self, connection: Any) -> None:
+    def start(self, connection: AmqpConnection) -> None:
         """Follow the registry on a new channel of ``connection`` (a py-amqp connection)."""
         try:
             channel = connection.channel()
@@ -135,7 +140,7 @@ class RegistryFollower:
             raise
         self.channel, self.problem = channel, None
 
-    def _record(self, message: Any) -> None:
+    def _record(self, message: Message) -> None:
         self.channel.basic_ack(message.delivery_tag)
         if len(self.tasks) < MAX_TASK_NAMES:
             self.tasks.update(accepted_tasks(message.headers, message.body))
@@ -150,7 +155,7 @@ class RegistryFollower:
         self.problem = f"the broker cancelled this worker's follower of {registry_name(self.settings)}"
         self.channel = None
 
-    def catch_up(self, connection: Any, quiet: float = 0.02) -> None:
+    def catch_up(self, connection: Connection | AmqpConnection, quiet: float = 0.02) -> None:
         """Read the records delivered so far on ``connection`` (a kombu or py-amqp connection of its own)."""
         while True:
             try:
@@ -160,9 +165,9 @@ class RegistryFollower:
 
 
 def read_to_marker(
-    connection: Any,
+    connection: AmqpConnection,
     queue: str,
-    declare: Callable[[Any], None],
+    declare: Callable[[AmqpChannel], None],
     on_record: Callable[[dict], None],
     timeout: float,
     since: float = 0,
@@ -184,7 +189,7 @@ def read_to_marker(
         deadline = time.monotonic() + timeout
         read = 0
 
-        def on_message(message: Any) -> None:
+        def on_message(message: Message) -> None:
             nonlocal deadline, read
             deadline = time.monotonic() + timeout  # progress: however long the stream, read on to the marker
             channel.basic_ack(message.delivery_tag)
@@ -210,7 +215,7 @@ def read_to_marker(
             channel.close()
 
 
-def read_registry(connection: Any, settings: PrioSettings) -> list[str]:
+def read_registry(connection: AmqpConnection, settings: PrioSettings) -> list[str]:
     """Every sub-queue name in the registry now (CLI, tests, cleanup)."""
     names: dict[str, None] = {}
 
@@ -238,7 +243,7 @@ class Presence:
         self.channel: Any = None
         self._tags: dict[Tier, str] = {}
 
-    def keep(self, connection: Any, tiers: Iterable[Tier]) -> None:
+    def keep(self, connection: AmqpConnection, tiers: Iterable[Tier]) -> None:
         """Consume the presence queues of exactly ``tiers`` (cheap when nothing changed)."""
         wanted = set(tiers)
         if self.channel is None or not self.channel.is_open:
@@ -255,7 +260,7 @@ class Presence:
         return set(self._tags)
 
 
-def passive_declares(connection: Any, names: list[str]) -> list[Any]:
+def passive_declares(connection: AmqpConnection, names: list[str]) -> list[Any]:
     """RabbitMQ's declare-ok of each of ``names`` (its message and consumer counts), None for one that does not
     exist. On a probe channel of its own: a passive declare of a missing queue closes its channel."""
     out = []
@@ -273,12 +278,12 @@ def passive_declares(connection: Any, names: list[str]) -> list[Any]:
     return out
 
 
-def serving_counts(connection: Any, settings: PrioSettings) -> dict[Tier, int]:
+def serving_counts(connection: AmqpConnection, settings: PrioSettings) -> dict[Tier, int]:
     """Live workers per tier: the consumers of each presence queue (none where no worker ever served it)."""
     found = passive_declares(connection, [settings.presence_queue(t) for t in TIERS])
     return {tier: int(ok.consumer_count) if ok else 0 for tier, ok in zip(TIERS, found, strict=True)}
 
 
-def existing_depths(connection: Any, names: list[str]) -> list[int]:
+def existing_depths(connection: AmqpConnection, names: list[str]) -> list[int]:
     """Messages ready in each of ``names`` (0 for one that does not exist)."""
     return [int(ok.message_count) if ok else 0 for ok in passive_declares(connection, names)]

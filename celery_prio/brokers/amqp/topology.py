@@ -15,7 +15,8 @@ arguments, with ``at-least-once`` dead-lettering wherever RabbitMQ allows it
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from amqp.exceptions import PreconditionFailed
 from kombu import Exchange, Queue
@@ -24,16 +25,23 @@ from ...headers import PROMOTED_SUFFIX
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 
+if TYPE_CHECKING:
+    from amqp import Channel as AmqpChannel
+
 logger = logging.getLogger(__name__)
 
 OVERFLOW_ARG = {"reject": "reject-publish", "drop_oldest": "drop-head"}
+
+
+#: RabbitMQ queue arguments (``x-max-length``, ``x-overflow``, ``x-message-ttl``, ``x-queue-type`` ...).
+QueueArguments = dict[str, str | int]
 
 
 def dead_letter_exchange(settings: PrioSettings, tier: Tier) -> str:
     return f"{settings.queue_name(tier)}.dlx"
 
 
-def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) -> dict[str, Any] | None:
+def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) -> QueueArguments | None:
     """Capacity and aging as RabbitMQ queue arguments.
 
     A tier that drops or ages dead-letters into its own headers exchange,
@@ -42,20 +50,21 @@ def queue_arguments(settings: PrioSettings, tier: Tier, subqueue: bool = False) 
     two apart is why this is not a plain fanout DLX (needs RabbitMQ >= 3.10
     for ``x-match: all-with-x``).
     """
-    args: dict[str, Any] = {}
+    args: QueueArguments = {}
     dlx = dead_letter_exchange(settings, tier)
     cap = settings.subqueue_cap(tier) if subqueue else settings.max_length[tier]
     if cap is not None:
         args["x-max-length"] = cap
         args["x-overflow"] = OVERFLOW_ARG[settings.overflow[tier]]
-    if aging_ttl(settings, tier) is not None:
-        args["x-message-ttl"] = aging_ttl(settings, tier)
+    ttl = aging_ttl(settings, tier)
+    if ttl is not None:
+        args["x-message-ttl"] = ttl
     if "x-message-ttl" in args or args.get("x-overflow") == "drop-head":
         args["x-dead-letter-exchange"] = dlx
     return quorum_arguments(settings, args, dlx) or None
 
 
-def quorum_arguments(settings: PrioSettings, args: dict[str, Any], dlx: str | None = None) -> dict[str, Any]:
+def quorum_arguments(settings: PrioSettings, args: QueueArguments, dlx: str | None = None) -> QueueArguments:
     """``args`` for the queue type ``prio_queue_type`` names (classic: as they are).
 
     A quorum queue always dead-letters into ``dlx`` (its tier's exchange):
@@ -81,8 +90,9 @@ def quorum_arguments(settings: PrioSettings, args: dict[str, Any], dlx: str | No
     args = {"x-queue-type": "quorum", **args}
     if dlx is not None:
         args.setdefault("x-dead-letter-exchange", dlx)
-    if args.get("x-overflow") == "reject-publish":
-        args["x-max-length"] -= 1
+    cap = args.get("x-max-length")
+    if args.get("x-overflow") == "reject-publish" and isinstance(cap, int):
+        args["x-max-length"] = cap - 1
     if "x-dead-letter-exchange" in args:
         if args.get("x-overflow") == "drop-head":
             args["x-dead-letter-strategy"] = "at-most-once"
@@ -121,7 +131,7 @@ def tier_queue(settings: PrioSettings, tier: Tier) -> Queue:
     )
 
 
-def _declare_or_use_as_is(channel: Any, name: str, args: dict[str, Any], asked_by: str) -> Any:
+def _declare_or_use_as_is(channel: AmqpChannel, name: str, args: QueueArguments | None, asked_by: str) -> AmqpChannel:
     """Declare a durable queue; one that exists with other arguments is used as it is (logged with the fix).
     Returns the channel to go on with (RabbitMQ closes the one a failed declare was on)."""
     try:
@@ -141,7 +151,7 @@ def _declare_or_use_as_is(channel: Any, name: str, args: dict[str, Any], asked_b
     return channel
 
 
-def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> Any:
+def declare_tier_queues(channel: AmqpChannel, settings: PrioSettings, tiers: Iterable[Tier] = TIERS) -> AmqpChannel:
     """Declare tier queues, the dead-letter queue and the routes between them.
 
     A queue declared earlier with other arguments cannot be redeclared
@@ -151,7 +161,7 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     """
     dead = settings.dead_letter_queue
     # The cap drops the oldest dead letters (RabbitMQ's default overflow, drop-head).
-    capped = {} if settings.dead_letter_max is None else {"x-max-length": settings.dead_letter_max}
+    capped: QueueArguments = {} if settings.dead_letter_max is None else {"x-max-length": settings.dead_letter_max}
     channel = _declare_or_use_as_is(channel, dead, quorum_arguments(settings, capped), "prio_dead_letter_max")
     for tier in TIERS:  # every tier queue: aging routes into the one above
         name = settings.queue_name(tier)
@@ -184,21 +194,21 @@ def declare_tier_queues(channel: Any, settings: PrioSettings, tiers=TIERS) -> An
     return channel
 
 
-def declare_subqueue(channel: Any, settings: PrioSettings, tier: Tier, name: str) -> Any:
+def declare_subqueue(channel: AmqpChannel, settings: PrioSettings, tier: Tier, name: str) -> AmqpChannel:
     """A sub-queue: its tier's aging and dead-lettering, its own cap (``prio_subqueue_max_length``).
 
     Returns the channel to go on with (see ``_declare_as_is``)."""
     return _declare_as_is(channel, name, queue_arguments(settings, tier, subqueue=True))
 
 
-def _declare_front_lane(channel: Any, settings: PrioSettings, tier: Tier) -> Any:
+def _declare_front_lane(channel: AmqpChannel, settings: PrioSettings, tier: Tier) -> AmqpChannel:
     """``<tier>.promoted``: uncapped (what enters it was admitted already); ages on like its tier."""
     ttl, dlx = aging_ttl(settings, tier), dead_letter_exchange(settings, tier)
     args = quorum_arguments(settings, {"x-message-ttl": ttl, "x-dead-letter-exchange": dlx} if ttl else {}, dlx)
     return _declare_as_is(channel, promoted_queue(settings, tier), args or None)
 
 
-def _declare_as_is(channel: Any, name: str, args: dict[str, Any] | None) -> Any:
+def _declare_as_is(channel: AmqpChannel, name: str, args: QueueArguments | None) -> AmqpChannel:
     """Declare ``name``; one that exists with other arguments is logged and used as it is.
 
     RabbitMQ closes the channel on PRECONDITION_FAILED: the channel to go on

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, PROMOTED_SUFFIX
 from ...settings import PrioSettings
@@ -18,13 +18,17 @@ from .scripts import (
 )
 from .transport import drain_rate, registered_subqueues
 
+if TYPE_CHECKING:
+    from celery import Celery
+    from redis import Redis
+
 logger = logging.getLogger(__name__)
 
 
 class RedisAdapter(Broker):
     kind = "redis"
 
-    def __init__(self, app: Any, client: Any = None) -> None:
+    def __init__(self, app: Celery, client: Redis | None = None) -> None:
         super().__init__(app)
         self.connection = None
         if client is None:
@@ -55,7 +59,7 @@ class RedisAdapter(Broker):
         return drain_rate(self.client, settings.stats_key, tier.label)
 
     # -- dead letters -------------------------------------------------------
-    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_list(self, settings: PrioSettings, limit: int = 100) -> list[dict[str, object]]:
         """Oldest first. An entry that is not a dead-letter envelope is listed as malformed."""
         return [
             describe_dead_entry(raw) for raw in reversed(self.client.lrange(settings.dead_letter_queue, -limit, -1))
@@ -109,7 +113,7 @@ class RedisAdapter(Broker):
             self.connection.release()
 
 
-def describe_dead_entry(raw: bytes) -> dict[str, Any]:
+def describe_dead_entry(raw: bytes) -> dict[str, object]:
     """One dead-letter list element as ``dead list`` shows it; never raises."""
     if isinstance(raw, bytes):  # a dead malformed element may hold any bytes
         raw = raw.decode("utf-8", "surrogateescape")

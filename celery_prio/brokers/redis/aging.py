@@ -9,13 +9,16 @@ loses nothing, and its cost follows the number promoted, not the queue length.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...headers import PROMOTED_SUFFIX
 from ...policy.aging import plan_promotions
 from ...settings import PrioSettings
 from ...tiers import Tier
 from .scripts import DEAD_HEAD, PROMOTE, SCRIPT_BYTES, STAMP
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 #: How many of the oldest elements one aging look reads (and may stamp).
 AGING_WINDOW = 100
@@ -25,7 +28,7 @@ MAX_DEAD_PER_PASS = 1000
 
 
 class RedisAging:
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Redis) -> None:
         self.client = client
         self._promote = client.register_script(PROMOTE)
         self._stamp = client.register_script(STAMP)

@@ -12,17 +12,20 @@ a read-only scan inside Redis, newest end first, in looks of
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...headers import BOOSTED_HEADER
 from ...policy.aging import readdress
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..base import Boost
-from ..publishing import Booster
+from ..publishing import Booster, Publisher
 from ..shared import boost_lane, tier_full, tier_queues
 from .continuations import RedisContinuations
 from .scripts import BOOST_FIND, BOOST_HELD, BOOST_MOVE, BOOST_SCAN_BUDGET
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 #: Elements a look starts before where the previous one ended: a boost elsewhere
 #: that removed an element ahead of the cursor shifts the rest one place left.
@@ -34,12 +37,12 @@ HELD_PAGE = 500
 
 
 class RedisBooster(Booster):
-    def __init__(self, publisher: Any, connections: RedisContinuations) -> None:
+    def __init__(self, publisher: Publisher, connections: RedisContinuations) -> None:
         super().__init__(publisher)
         self.connections = connections  # one connection per process, and the sub-queue listing
         self._scripts: dict[str, Any] = {}
 
-    def _script(self, client: Any, source: str) -> Any:
+    def _script(self, client: Redis, source: str) -> Any:
         script = self._scripts.get(source)
         if script is None:
             script = self._scripts[source] = client.register_script(source)
@@ -60,7 +63,7 @@ class RedisBooster(Booster):
 
     def _lift(
         self,
-        client: Any,
+        client: Redis,
         settings: PrioSettings,
         task_id: str,
         tier: Tier,
@@ -98,7 +101,7 @@ class RedisBooster(Booster):
             return Boost("running", task_id, tier, detail="fetched by a worker and not acked yet")
         return None
 
-    def held(self, client: Any, task_id: str, unacked: str) -> bool:
+    def held(self, client: Redis, task_id: str, unacked: str) -> bool:
         """Whether a worker holds the task (kombu's unacked hash), read a page per call."""
         script, cursor = self._script(client, BOOST_HELD), "0"
         while True:
@@ -108,7 +111,7 @@ class RedisBooster(Booster):
             if cursor in (b"0", "0", 0):
                 return False
 
-    def find(self, client: Any, task_id: str, queues: list[str]) -> tuple[str, bytes] | None:
+    def find(self, client: Redis, task_id: str, queues: list[str]) -> tuple[str, bytes] | None:
         """``(queue, element)`` of the task among ``queues``, or None; in looks of bounded length."""
         if not queues:
             return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from base64 import b64encode
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu.utils.json import dumps
 
@@ -14,11 +14,20 @@ from ..shared import fast_json
 from .scripts import BULK_PUSH
 from .transport import drain_rate, wait_for_replicas
 
+if TYPE_CHECKING:
+    from celery import Celery
+    from kombu import Connection, Message
+
+    from ...settings import PrioSettings
+    from ...tiers import Tier
+
 
 class RedisBulkSession(BulkSession):
     """A chunk is one script call: pushed under the cap atomically, the refused tail reported."""
 
-    def __init__(self, app: Any, connection: Any, settings: Any, tier: Any, queue: str | None = None) -> None:
+    def __init__(
+        self, app: Celery, connection: Connection, settings: PrioSettings, tier: Tier, queue: str | None = None
+    ) -> None:
         super().__init__(app, connection, settings, tier, queue)
         self.client = self.channel.client
         self._push = self.client.register_script(BULK_PUSH)
@@ -46,7 +55,7 @@ class RedisBulkSession(BulkSession):
         wait_for_replicas(self.client, self.channel.connection.client.transport_options)
         return [i < accepted for i in range(len(messages))]
 
-    def _envelope(self, message: Any) -> str:
+    def _envelope(self, message: Message) -> str:
         """The JSON kombu's Redis channel writes for a publish (prepare_message + _inplace_augment_message).
 
         This is the hot loop of a bulk publish, so what every message of the
@@ -70,7 +79,7 @@ class RedisBulkSession(BulkSession):
             f'"delivery_tag": "{task_id}.t"}}}}'
         )
 
-    def _shared(self, message: Any) -> dict[str, str]:
+    def _shared(self, message: Message) -> dict[str, str]:
         """What every message of this publish has in common (one template per session), encoded once."""
         if self._shared_cache is None:
             _, kwargs, embed = message.body
@@ -92,7 +101,7 @@ class RedisBulkSession(BulkSession):
             }
         return self._shared_cache
 
-    def _envelope_generic(self, message: Any) -> str:
+    def _envelope_generic(self, message: Message) -> str:
         prepared = self.prepare(message)
         self.channel._inplace_augment_message(prepared, "", self.queue)
         return dumps(prepared)

@@ -4,18 +4,24 @@ in one MULTI/EXEC (the transport's ``_put`` does both when a marker is pending).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ...tiers import Tier
 from ..publishing import Continuation, Continuations
 from ..shared import MARKER_TTL, ProcessConnection, marker_name, tier_queues
 from .transport import pending_marker
 
+if TYPE_CHECKING:
+    from redis import Redis
+
+
+T = TypeVar("T")
+
 
 class RedisContinuations(ProcessConnection, Continuations):
     every_task_sjf = True  # one pipelined LLEN each: a missing list costs nothing
 
-    def _client(self) -> Any:
+    def _client(self) -> Redis:
         return self.connection().default_channel.client
 
     def publish(self, continuation: Continuation) -> None:
@@ -41,7 +47,7 @@ class RedisContinuations(ProcessConnection, Continuations):
 
         names = tier_queues(self.settings, tier, self.subqueues())
 
-        def count(client: Any) -> int:
+        def count(client: Redis) -> int:
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.llen(name)
@@ -55,7 +61,7 @@ class RedisContinuations(ProcessConnection, Continuations):
         registry = self.settings.subqueue_registry
         return self.guarded(lambda client: registered_subqueues(client, registry))
 
-    def guarded(self, work: Callable[[Any], Any]) -> Any:
+    def guarded(self, work: Callable[[Redis], T]) -> T:
         conn = self.connection()
         try:
             return work(self._client())

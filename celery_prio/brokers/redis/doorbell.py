@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -31,6 +31,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...settings import PrioSettings
 from ...tiers import Tier
 from .scripts import BELL_MAX
+
+if TYPE_CHECKING:
+    from kombu.asynchronous import Hub
+    from redis import ConnectionPool, Redis
+    from redis.connection import Connection as RedisConnection
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +55,9 @@ class Doorbell:
 
     def __init__(
         self,
-        make_client: Callable[[], Any],
+        make_client: Callable[[], Redis],
         settings: PrioSettings,
-        hub: Any,
+        hub: Hub,
         on_ring: Callable[[], None],
         free_slots: Callable[[], int],
         lists_of: Callable[[list[Tier]], list[str]],
@@ -63,8 +68,8 @@ class Doorbell:
         self.hub = hub
         self.on_ring = on_ring
         self.free_slots = free_slots
-        self._client: Any = None
-        self._connection: Any = None  # the connection a BLPOP is out on, while it is
+        self._client: Redis | None = None
+        self._connection: RedisConnection | None = None  # the connection a BLPOP is out on, while it is
         self._tiers: frozenset[Tier] = frozenset()
         self._unblocked = False
         self._failing: str | None = None  # the error reply that made this worker poll instead, while it does
@@ -119,7 +124,7 @@ class Doorbell:
         self.waits += 1
         return True
 
-    def _replied_error(self, exc: Exception, connection: Any) -> None:
+    def _replied_error(self, exc: Exception, connection: RedisConnection | None) -> None:
         """An error reply on the wait: never fatal. Poll for a moment, say so once, and try again after."""
         if self._failing is None:
             logger.warning(
@@ -138,7 +143,7 @@ class Doorbell:
         except (*_ERRORS, *_REPLY_ERRORS):
             return True
 
-    def _rang(self, *_: Any) -> None:
+    def _rang(self, *_: object) -> None:
         connection = self._connection
         if connection is None:
             return
@@ -177,7 +182,7 @@ class Doorbell:
         except (*_ERRORS, *_REPLY_ERRORS):
             pass  # the wait ends at its timeout instead
 
-    def _pass_on(self, bell: Any) -> None:
+    def _pass_on(self, bell: str) -> None:
         try:
             self._client.pipeline(transaction=False).lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1).execute()
             self.passed_on += 1
@@ -200,7 +205,7 @@ class Doorbell:
                 pass
 
 
-def _pool_connection(pool: Any) -> Any:
+def _pool_connection(pool: ConnectionPool) -> RedisConnection:
     """A connection from ``pool``: redis-py 5.3 and newer take no command name (and warn about one), 5.0 to 5.2
     require it (a TypeError per wait, in a retry loop, on the oldest versions this package allows)."""
     try:

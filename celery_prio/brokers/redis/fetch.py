@@ -6,27 +6,28 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import ConfigError
 from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import decode_problem, decode_redis_element
-from ..base import MAX_ANNOUNCED_TASKS, BrokerFetchSource, BrokerFigures, Job, Take
+from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
 from ..shared import as_text
 from . import figures
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
-from .scripts import (
-    BELL_MAX,
-    DEAD_LETTER,
-    FETCH,
-    HEARTBEAT,
-    SCRIPT_BYTES,
-)
+from .scripts import BELL_MAX, DEAD_LETTER, FETCH, HEARTBEAT, SCRIPT_BYTES
 from .transport import UNSETTLED, registered_subqueues
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from kombu.asynchronous import Hub
+    from kombu.message import Message
+    from kombu.transport.redis import Channel as RedisChannel
+    from redis import Redis
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class RedisFetchSource(BrokerFetchSource):
     their reason; they never reach Celery.
     """
 
-    def __init__(self, app: Any, channel: Any, served: ServedQueues, settings: PrioSettings, worker_name: str) -> None:
+    def __init__(
+        self, app: Celery, channel: RedisChannel, served: ServedQueues, settings: PrioSettings, worker_name: str
+    ) -> None:
         from kombu.serialization import prepare_accept_content
         from kombu.transport import virtual
 
@@ -59,13 +62,13 @@ class RedisFetchSource(BrokerFetchSource):
         self._local_append = virtual.QoS.append  # kombu's in-process bookkeeping only
         self.chores: RedisHousekeeping | None = None  # its fleet jobs, once the worker asks for them
         self._registry: list[str] | None = None  # sub-queues, as of ``_registry_version``
-        self._registry_version: Any = None
-        self._served_version: Any = None  # the registry version whose sub-queues this worker serves
+        self._registry_version: object = None
+        self._served_version: object = None  # the registry version whose sub-queues this worker serves
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
         # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
 
-    def attach_loop(self, hub: Any) -> None:
+    def attach_loop(self, hub: Hub) -> None:
         self.doorbell = Doorbell(
             lambda: self.channel._create_client(asynchronous=False),
             self.settings,
@@ -141,7 +144,7 @@ class RedisFetchSource(BrokerFetchSource):
         self._registry_version, self._registry = version, members
         return self._registry
 
-    def _registry_moved(self, version: Any, found: bool) -> None:
+    def _registry_moved(self, version: object, found: bool) -> None:
         """A fetch saw the registry at ``version``: a new sub-queue is served from the next fetch on.
 
         When this fetch found nothing, the loop is woken to ask again at
@@ -158,7 +161,7 @@ class RedisFetchSource(BrokerFetchSource):
             if not found:
                 self.on_arrival()
 
-    def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Any] | None:
+    def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Message | None] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
 
         ``(index, None)`` means elements were dead-lettered and nothing is
@@ -172,10 +175,10 @@ class RedisFetchSource(BrokerFetchSource):
         position, messages = hit
         return position, (messages[0] if messages else None)
 
-    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Any]:
+    def take_more(self, queue: str, tier: Tier, count: int, task: str, max_bytes: int = 0) -> list[Message]:
         """Up to ``count`` more messages of ``task`` from ``queue``, oldest first (a batch): one call, more only
         where a call stopped at its ``SCRIPT_BYTES`` and ``max_bytes`` leaves room."""
-        out: list[Any] = []
+        out: list[Message] = []
         taken_bytes = 0
         while len(out) < count:
             self.broker_calls += 1
@@ -190,7 +193,7 @@ class RedisFetchSource(BrokerFetchSource):
 
     def _fetch(
         self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True
-    ) -> tuple[int, list[Any]] | None:
+    ) -> tuple[int, list[Message]] | None:
         """``(index into keys, the kombu Messages taken from it)``; dead-lettered ones are left out (``(-1, [])``
         when the script moved only malformed elements aside); None when every key was empty."""
         channel = self.channel
@@ -223,7 +226,7 @@ class RedisFetchSource(BrokerFetchSource):
                 messages.append(message)
         return position, messages
 
-    def _message(self, raw: Any, tag: str, tier: Tier, queue: str) -> Any:
+    def _message(self, raw: bytes, tag: str, tier: Tier, queue: str) -> Message | None:
         """kombu's Message for an element the script took; one Python cannot read goes to the dead letters."""
         channel = self.channel
         payload, problem = decode_redis_element(raw)
@@ -242,7 +245,7 @@ class RedisFetchSource(BrokerFetchSource):
         self._local_append(channel.qos, message, message.delivery_tag)
         return message
 
-    def _dead_letter_raw(self, raw: Any, reason: str, tier: Tier, queue: str, tag: str) -> None:
+    def _dead_letter_raw(self, raw: bytes, reason: str, tier: Tier, queue: str, tag: str) -> None:
         logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
         channel = self.channel
         self._dead_letter(
@@ -257,7 +260,7 @@ class RedisFetchSource(BrokerFetchSource):
             client=channel.client,
         )
 
-    def dead_letter(self, message: Any, reason: str, tier: Tier) -> None:
+    def dead_letter(self, message: Message, reason: str, tier: Tier) -> None:
         self._dead_letter_raw(message.prio_raw, reason, tier, getattr(message, "prio_queue", ""), "")
 
     # -- housekeeping on the worker's loop --------------------------------------
@@ -323,7 +326,7 @@ class RedisFetchSource(BrokerFetchSource):
         except self.channel.connection_errors:
             return False
 
-    def join_fleet(self) -> list[list[Any]]:
+    def join_fleet(self) -> list[BoostRecord]:
         check_server_version(self.channel.client.info("server").get("redis_version"))
         self.heartbeat()  # before the first fetch: the messages it fetches have a live owner from the start
         # Then from a thread, on a connection of its own: a busy event loop (a task under the solo pool,
@@ -341,7 +344,7 @@ class RedisFetchSource(BrokerFetchSource):
     _beats = 0
     _serving_written: str | None = None
 
-    def heartbeat(self, client: Any = None) -> None:
+    def heartbeat(self, client: Redis | None = None) -> None:
         """Say this worker is alive and which tiers it serves (before its first fetch, then every second),
         and hold or take the housekeeper lease."""
         tiers = ",".join(t.label for t in self.served.tiers)
@@ -353,8 +356,13 @@ class RedisFetchSource(BrokerFetchSource):
         # under the solo pool, or a warm shutdown, hands it to another worker within a beat.
         can_work = not self._stopped and time.monotonic() - self.loop_turned_at < LOOP_STALE_AFTER
         held = self._beat(
-            keys=[self.settings.heartbeats_key, self.settings.serving_key, self.settings.housekeeper_key],
-            args=[self.worker_name, tiers if fresh else "", int(self._lease() * 1000) if can_work else 0],
+            keys=[
+                self.settings.heartbeats_key,
+                self.settings.serving_key,
+                self.settings.housekeeper_key,
+                self.settings.slots_key,
+            ],
+            args=[self.worker_name, tiers if fresh else "", int(self._lease() * 1000) if can_work else 0, self.slots],
             client=client or self.channel.client,
         )
         self._serving_written = tiers
@@ -429,7 +437,7 @@ LOOP_STALE_AFTER = 2.0
 MIN_REDIS = (6, 2)
 
 
-def check_server_version(version: Any) -> None:
+def check_server_version(version: object) -> None:
     """``ConfigError`` naming the version found, on a server older than :data:`MIN_REDIS`."""
     try:
         found = tuple(int(x) for x in str(version).split(".")[:2])

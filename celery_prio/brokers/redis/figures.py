@@ -4,36 +4,62 @@ own (a worker its fetch channel's, an operator tool its own connection)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import decode_redis_element, enqueue_age
 from ..shared import as_text
 
+if TYPE_CHECKING:
+    from redis import Redis
+
 #: A worker whose last heartbeat (every second) is older than this no longer counts as serving its tiers.
 PRESENCE_FRESH = 5.0
 
 
-def serving(client: Any, settings: PrioSettings) -> dict[Tier, int]:
+def serving(client: Redis, settings: PrioSettings) -> dict[Tier, int]:
     """Live workers per tier: a fresh heartbeat, and the tiers it last said it serves."""
+    return {tier: int(count) for tier, count in _per_live_worker(client, settings, lambda *_: 1).items()}
+
+
+def slots_serving(client: Redis, settings: PrioSettings) -> dict[Tier, float]:
+    """The slots of the live workers serving each tier, each worker's split between the tiers it serves by
+    their weights (``prio_weights``): what a tier gets of them while every tier has work. A realtime-only
+    worker gives realtime all its slots; one serving every tier gives it 8/11 of them by default."""
+    slots = client.hgetall(settings.slots_key)
+
+    def share(worker: bytes, tier: Tier, served: list[Tier]) -> float:
+        try:
+            concurrency = max(1, int(slots.get(worker, b"1")))
+        except ValueError:  # anyone can write to Redis: an unreadable figure is one slot
+            concurrency = 1
+        return concurrency * settings.weights[tier] / sum(settings.weights[t] for t in served)
+
+    return _per_live_worker(client, settings, share)
+
+
+def _per_live_worker(
+    client: Redis, settings: PrioSettings, weight: Callable[[bytes, Tier, list[Tier]], float]
+) -> dict[Tier, float]:
     now = client.time()
     now = now[0] + now[1] / 1e6
     beats = client.hgetall(settings.heartbeats_key)
-    out = dict.fromkeys(TIERS, 0)
+    out = dict.fromkeys(TIERS, 0.0)
     for worker, tiers in client.hgetall(settings.serving_key).items():
         try:
             alive = now - float(beats.get(worker, b"0")) <= PRESENCE_FRESH
         except ValueError:  # anyone can write to Redis: an unreadable beat is no live worker
             alive = False
-        for label in as_text(tiers).split(",") if alive else ():
-            tier = next((t for t in TIERS if t.label == label), None)
-            if tier is not None:
-                out[tier] += 1
+        labels = as_text(tiers).split(",") if alive else []
+        served = [t for t in TIERS if t.label in labels]
+        for tier in served:
+            out[tier] += weight(worker, tier, served)
     return out
 
 
-def counters(client: Any, settings: PrioSettings) -> dict[str, int]:
+def counters(client: Redis, settings: PrioSettings) -> dict[str, int]:
     """Broker-wide counters; a field that is not a whole number is skipped, not fatal."""
     out = {}
     for key, value in client.hgetall(settings.stats_key).items():
@@ -44,7 +70,7 @@ def counters(client: Any, settings: PrioSettings) -> dict[str, int]:
     return out
 
 
-def oldest_age(client: Any, queue: str, now: float) -> float | None:
+def oldest_age(client: Redis, queue: str, now: float) -> float | None:
     """Seconds the oldest waiting message of ``queue`` has waited (None if empty, unstamped or malformed)."""
     raw = client.lindex(queue, -1)
     if raw is None:

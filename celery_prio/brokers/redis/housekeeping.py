@@ -6,16 +6,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...policy.served import AGING_TIERS
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..base import Job
 from ..shared import as_text
+from . import figures
 from .aging import RedisAging
 from .pruning import PRUNE_INTERVAL, mention, prune
 from .scripts import SWEEP_DEAD_OWNERS, TRIM_DEAD
+
+if TYPE_CHECKING:
+    from kombu.transport.redis import Channel as RedisChannel
+
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,11 @@ DEAD_CAP_STEP = 10_000
 #: How often the fleet looks for messages of workers that are gone (prompt recovery; the beat itself
 #: comes from a thread, ``liveness``).
 SWEEP_INTERVAL = 1.0
+#: How often the housekeeper sums the live slots per tier for admission by predicted wait; the sum lives a few
+#: intervals (a housekeeper gone, publishes admit by cap alone until the next one writes it).
+ADMISSION_INTERVAL = 0.5
+ADMISSION_TTL_MS = 3000
+ESTIMATES_INTERVAL = 0.5
 
 #: Owner records one sweep call reads (about 3 ms of Redis); a pass reads at most
 #: ``SWEEP_CHUNKS_PER_PASS`` of them each second and the next pass goes on from the fleet's cursor.
@@ -44,10 +54,18 @@ RATE_INTERVAL = 2.0
 ESTIMATES_READ_INTERVAL = 10.0
 
 
+class HousekeptSource(Protocol):
+    """What the jobs need of the worker's fetch source (``RedisFetchSource``)."""
+
+    settings: PrioSettings
+    worker_name: str
+    channel: RedisChannel
+
+
 class RedisHousekeeping:
     """The jobs of one worker's fetch source (``source``: its channel, settings and names)."""
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: HousekeptSource) -> None:
         self.source = source
         self.settings = source.settings
         self.worker_name = source.worker_name
@@ -60,7 +78,7 @@ class RedisHousekeeping:
         self._estimates_read_at = float("-inf")
 
     @property
-    def channel(self) -> Any:
+    def channel(self) -> RedisChannel:
         return self.source.channel
 
     def jobs(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
@@ -72,6 +90,9 @@ class RedisHousekeeping:
         ]
         if self.settings.dead_letter_max is not None:
             fleet.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
+        admits = any(budget is not None for budget in self.settings.max_wait.values())
+        if admits:
+            fleet.append(Job(ADMISSION_INTERVAL, self._share_slots, "sum the slots serving each tier (admission)"))
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
             # The housekeeper ages every tier, whatever its own -Q: offline ages into batch with no offline
             # worker at all.
@@ -80,7 +101,8 @@ class RedisHousekeeping:
         own = [
             Job(SWEEP_INTERVAL, self.source.settle_unsettled, "settle acks that failed while Redis was away"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
-            Job(RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+            # Often where a wait budget reads them (a surge is refused from its first second), else as the rates.
+            Job(ESTIMATES_INTERVAL if admits else RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
         return [*map(self._housekeeper_only, fleet), *own]
 
@@ -90,6 +112,15 @@ class RedisHousekeeping:
                 job.run()
 
         return Job(job.interval, run, f"{job.name} (the fleet's housekeeper)")
+
+    def _share_slots(self) -> None:
+        """The live slots serving each tier, for the publish script's predicted wait (``guarded_push.lua``)."""
+        slots = figures.slots_serving(self.channel.client, self.settings)
+        key = self.settings.admission_key
+        pipe = self.channel.client.pipeline(transaction=True)
+        pipe.hset(key, mapping={f"slots:{tier.label}": f"{count:.3f}" for tier, count in slots.items()})
+        pipe.pexpire(key, ADMISSION_TTL_MS)
+        pipe.execute()
 
     def _return_dead_owners_messages(self) -> None:
         """Put back, at the head of their queues, messages fetched by workers that are gone.
@@ -156,7 +187,7 @@ class RedisHousekeeping:
         not measured yet, what the others did: a worker that starts (or a
         task name it never ran) orders by the fleet's figures from the first fetch.
         """
-        key = self.settings.queue_prefix + ".estimates"
+        key = self.settings.estimates_key
         states = [(name, state) for _, name, state in self.source.served.queue_states()]
         mine = {name: f"{state.estimate:.6f}" for name, state in states if state.measured}
         changed = {name: v for name, v in mine.items() if self._estimates_written.get(name) != v}

@@ -11,10 +11,13 @@ it. One worker of the fleet at a time (a lease) prunes, in HSCAN chunks.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...settings import PrioSettings
 from ..shared import as_text
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 #: Seconds between pruning passes; one worker of the fleet takes each (``SET NX PX``).
 PRUNE_INTERVAL = 60.0
@@ -22,7 +25,7 @@ PRUNE_INTERVAL = 60.0
 PRUNE_CHUNK = 500
 
 
-def _stamp(value: Any) -> float | None:
+def _stamp(value: object) -> float | None:
     try:
         return float(as_text(value).split()[-1])
     except (ValueError, IndexError):
@@ -34,7 +37,7 @@ def seen_key(settings: PrioSettings, what: str) -> str:
     return f"{settings.queue_prefix}.{what}.seen"
 
 
-def prune(client: Any, settings: PrioSettings, worker: str, now: float | None = None) -> dict[str, int]:
+def prune(client: Redis, settings: PrioSettings, worker: str, now: float | None = None) -> dict[str, int]:
     """One pass, if this worker takes the lease: how many fields went, per structure."""
     if not client.set(f"{settings.queue_prefix}.prune", worker, nx=True, px=int(PRUNE_INTERVAL * 900)):
         return {}
@@ -52,13 +55,14 @@ def prune(client: Any, settings: PrioSettings, worker: str, now: float | None = 
         chunk = dead[i : i + PRUNE_CHUNK]
         client.hdel(settings.heartbeats_key, *chunk)
         client.hdel(settings.serving_key, *chunk)
+        client.hdel(settings.slots_key, *chunk)
     gone["heartbeats"] = len(dead)
     rates_key = f"{settings.stats_key}.rates"
     stale = [f for f, v in client.hscan_iter(rates_key, count=PRUNE_CHUNK) if (_stamp(v) or 0.0) < old]
     gone["rates"] = _delete_fields(client, rates_key, stale)
 
     # Estimates and sub-queues keep no time: their "seen" hash does (written as they are used).
-    estimates = f"{settings.queue_prefix}.estimates"
+    estimates = settings.estimates_key
     gone["estimates"] = _prune_by_seen(client, estimates, seen_key(settings, "estimates"), old, now, is_set=False)
     moved = _prune_by_seen(
         client,
@@ -75,13 +79,13 @@ def prune(client: Any, settings: PrioSettings, worker: str, now: float | None = 
     return gone
 
 
-def _delete_fields(client: Any, key: str, fields: list[Any]) -> int:
+def _delete_fields(client: Redis, key: str, fields: list[bytes | str]) -> int:
     for i in range(0, len(fields), PRUNE_CHUNK):
         client.hdel(key, *fields[i : i + PRUNE_CHUNK])
     return len(fields)
 
 
-def _prune_by_seen(client: Any, key: str, seen: str, old: float, now: float, *, is_set: bool, keep=None) -> int:
+def _prune_by_seen(client: Redis, key: str, seen: str, old: float, now: float, *, is_set: bool, keep=None) -> int:
     if is_set:
         names = client.sscan_iter(key, count=PRUNE_CHUNK)
     else:
@@ -103,7 +107,7 @@ def _prune_by_seen(client: Any, key: str, seen: str, old: float, now: float, *, 
     return len(dropped)
 
 
-def mention(client: Any, settings: PrioSettings, what: str, names: list[str], now: float | None = None) -> None:
+def mention(client: Redis, settings: PrioSettings, what: str, names: list[str], now: float | None = None) -> None:
     """``names`` are in use now (so not pruned for ``prio_prune_after``)."""
     if names:
         stamp = f"{time.time() if now is None else now:.3f}"

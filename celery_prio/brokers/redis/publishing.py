@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...tiers import TIERS, Tier
 from ..publishing import BulkSession, Publisher
 from .pruning import mention
+
+if TYPE_CHECKING:
+    from kombu import Connection
+
+    from .boost import RedisBooster
+    from .continuations import RedisContinuations
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +37,18 @@ class RedisPublisher(Publisher):
             mention(client, settings, "subqueues", [name])  # in use: not pruned for prio_prune_after
 
     @functools.cached_property
-    def continuations(self) -> Any:
+    def continuations(self) -> RedisContinuations:
         from .continuations import RedisContinuations
 
         return RedisContinuations(self)
 
     @functools.cached_property
-    def booster(self) -> Any:
+    def booster(self) -> RedisBooster:
         from .boost import RedisBooster
 
         return RedisBooster(self, self.continuations)
 
-    def configure(self, options: dict[str, Any]) -> None:
+    def configure(self, options: dict[str, object]) -> None:
         settings = self.settings
         # Capacity on Redis lives in an atomic publish script (kombu's Redis
         # transport has no max-length); the subclass runs it for tier queues.
@@ -61,6 +67,17 @@ class RedisPublisher(Publisher):
             ]
             for t in TIERS
         }
+        # Tiers with a wait budget (``prio_max_wait``): the publish script predicts each call's wait from the
+        # work waiting in the tier and the live slots serving it, atomically with the push.
+        lanes = settings.front_lanes()
+        options["prio_wait_rules"] = {
+            t.label: [budget, settings.queue_name(t), lanes.get(t) or "", settings.queue_name(t) + "."]
+            for t, budget in settings.max_wait.items()
+            if budget is not None
+        }
+        options["prio_admission_key"] = settings.admission_key
+        options["prio_registry_key"] = settings.subqueue_registry
+        options["prio_estimates_key"] = settings.estimates_key
         options["prio_bell_prefix"] = settings.bell_key(Tier.REALTIME).removesuffix(Tier.REALTIME.label)
         # A queue of the app's own (``task_routes`` -> ``default``) counts as the default tier's: a publish to it
         # rings that tier's bell, or a worker serving it, idle on its bells, would see it only at the timeout.
@@ -74,7 +91,7 @@ class RedisPublisher(Publisher):
         for name in ("unacked_key", "unacked_index_key", "unacked_mutex_key"):
             options.setdefault(name, f"{settings.queue_prefix}.{name.removesuffix('_key')}")
 
-    def new_bulk_session(self, connection: Any, tier: Tier, queue: str | None) -> BulkSession:
+    def new_bulk_session(self, connection: Connection, tier: Tier, queue: str | None) -> BulkSession:
         from .bulk import RedisBulkSession
 
         return RedisBulkSession(self.app, connection, self.settings, tier, queue)

@@ -10,7 +10,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
@@ -22,6 +22,9 @@ from ...errors import QueueFull
 from ...headers import PROMOTED_SUFFIX
 from ...tiers import parse_tier
 from .scripts import BELL_MAX, GUARDED_PUSH
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class QoS(kombu_redis.QoS):
     without one (fetched by plain kombu consumers) are restored as kombu does.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         # Read once, while the channel has its connection: an ack or reject after the connection died
         # (a Redis restart) still finds it, where reading it then raised AttributeError and killed the worker.
@@ -81,7 +84,7 @@ class QoS(kombu_redis.QoS):
         kombu_redis.virtual.QoS.ack(self, delivery_tag)
 
     @staticmethod
-    def _settle_later(delivery_tag: Any, what: str, exc: Exception) -> None:
+    def _settle_later(delivery_tag: object, what: str, exc: Exception) -> None:
         tag = delivery_tag.decode() if isinstance(delivery_tag, bytes) else str(delivery_tag)
         UNSETTLED.add(tag)
         logger.warning("celery-prio: %s of %s failed (%r); it is settled after the reconnect", what, tag, exc)
@@ -144,7 +147,8 @@ class Channel(kombu_redis.Channel):
             return self._put_ringing(queue, message, options.get("prio_default_bell"), **kwargs)
         batch = kwargs.get("_publish_batch")
         cap, policy, tier = rule
-        if batch is not None and cap < 0:
+        wait_rule = (options.get("prio_wait_rules") or {}).get(tier)
+        if batch is not None and cap < 0 and wait_rule is None:
             # Uncapped: kombu's batching keeps pipelining it, and the tier's doorbell rings in the same pipeline.
             super()._put(queue, message, **kwargs)
             bell = bell_key(options, tier)
@@ -164,11 +168,22 @@ class Channel(kombu_redis.Channel):
         with self.conn_or_acquire() as client:
             if self._guarded_push is None:
                 Channel._guarded_push = client.register_script(GUARDED_PUSH)
-            accepted, depth = self._guarded_push(
-                keys=[key, options["prio_dead_queue"], options["prio_stats_key"], bell_key(options, tier)],
-                args=[dumps(message), cap, policy, tier, time.time()],
+            budget, tier_queue, lane, head = wait_rule or (-1, "", "", "")
+            accepted, depth, *predicted = self._guarded_push(
+                keys=[
+                    key,
+                    options["prio_dead_queue"],
+                    options["prio_stats_key"],
+                    bell_key(options, tier),
+                    options.get("prio_admission_key", ""),
+                    options.get("prio_registry_key", ""),
+                    options.get("prio_estimates_key", ""),
+                ],
+                args=[dumps(message), cap, policy, tier, time.time(), budget, tier_queue, lane, head],
                 client=client,
             )
+            if predicted:
+                raise QueueFull.over_budget(parse_tier(tier), int(depth), float(predicted[0]), budget)
             if not accepted:
                 rate = drain_rate(client, options["prio_stats_key"], tier)
                 raise QueueFull.from_drain_rate(parse_tier(tier), int(depth), rate)
@@ -201,7 +216,7 @@ class Channel(kombu_redis.Channel):
 PIDBOX_SUFFIX = ".pidbox"
 
 
-def wait_for_replicas(client: Any, options: dict) -> None:
+def wait_for_replicas(client: Redis, options: dict) -> None:
     """``prio_wait_replicas``: return only once that many replicas have the write (Sentinel failover loses none).
 
     Redis replicates asynchronously: a failover can drop writes the old master
@@ -250,7 +265,7 @@ def bell_of(options: dict, queue: str) -> str:
     return "" if rule is None else bell_key(options, rule[2])
 
 
-def registered_subqueues(client: Any, registry: str) -> list[str]:
+def registered_subqueues(client: Redis, registry: str) -> list[str]:
     """The sub-queues publishers added to the Redis set ``registry`` (``PrioSettings.subqueue_registry``)."""
     return sorted(m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in client.smembers(registry))
 
@@ -258,7 +273,7 @@ def registered_subqueues(client: Any, registry: str) -> list[str]:
 RATE_FRESH_FOR = 10.0  # seconds a worker's reported rate counts
 
 
-def drain_rate(client: Any, stats_key: str, tier: str) -> float:
+def drain_rate(client: Redis, stats_key: str, tier: str) -> float:
     """Tasks/s the cluster takes from ``tier``: the sum of fresh per-worker reports."""
     now, total = time.time(), 0.0
     for field, value in client.hgetall(f"{stats_key}.rates").items():

@@ -35,6 +35,7 @@ from .recovery import bench_chaos, bench_recovery
 from .scale import bench_latency, bench_scale
 from .slices import SliceWorkload, bench_slices
 from .subqueues import bench_sjf, bench_subqueues
+from .surge import bench_surge
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,14 +68,16 @@ def main(argv: list[str] | None = None) -> int:
             "scale",
             "batching",
             "adoption",
+            "surge",
         ),
         help="run one part: what a new user gets (defaults, cold, tiers per call and on the decorator), the "
         "mixed workload/drain/publish, the drains alone, bulk publish, GPU time slices, sub-queues, SJF, "
         "priority inheritance, recovery after a worker dies, chaos (kills and a broker restart), scale (idle "
         "and busy fleets), adoption (an app with its own queue and routes: plain Celery vs install()), "
+        "surge (realtime above what the slots serve: admission and deadlines), "
         "or batching (the example CNN, batched or not; needs the demo extra; celery-batches' "
         "row: --batches-python); "
-        "the last three are not part of a full run",
+        "scale, chaos, surge and batching are not part of a full run",
     )
     parser.add_argument(
         "--scale-workers", default="1,16", help="idle fleet sizes for --only scale, comma-separated (e.g. 1,16,64)"
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 sizes = tuple(int(n) for n in args.scale_workers.split(","))
                 results[kind]["scale"] = bench_scale(broker, Path(tmp), sizes, args.scale_window)
                 results[kind]["latency"] = bench_latency(broker, Path(tmp), args.duration)
+            if args.only == "surge":
+                results[kind]["surge"] = bench_surge(broker, Path(tmp), duration=min(args.duration, 8.0))
             if args.only == "chaos" and kind == "redis":
                 results[kind]["chaos"] = bench_chaos(Path(tmp), args.duration * 4)
     if args.json:

@@ -1,11 +1,43 @@
--- Publish one message to a tier list (or sub-queue) under its cap, and ring the tier's doorbell.
--- KEYS: tier list, dead list, stats hash, the tier's bell.
--- ARGV: message, cap (-1 = none), policy, tier label, now (epoch s).
--- Returns {accepted (1/0), depth after (or depth seen when refused)}.
+-- Publish one message to a tier list (or sub-queue) under its cap and its wait budget, and ring the tier's
+-- doorbell.
+-- KEYS: tier list, dead list, stats hash, the tier's bell, the admission hash (live slots per tier), the
+-- sub-queue registry (a set of list names), the run-time estimates (list name -> seconds per task).
+-- ARGV: message, cap (-1 = none), policy, tier label, now (epoch s), the tier's wait budget in seconds (-1 =
+-- none), the tier's queue, its front lane ('' = none), its sub-queue name prefix ("<prefix>.<tier>.").
+-- Returns {accepted (1/0), depth after (or depth seen when refused)}, and, when refused for its predicted
+-- wait, that wait in seconds (a string: Lua numbers reach the caller as integers).
 --#include dead_entry
 --#include ring
 
 local n = redis.call('LLEN', KEYS[1])
+local budget = tonumber(ARGV[6])
+if budget >= 0 then
+  -- The wait a new call would see: the work waiting in its tier (each list's messages times the fleet's
+  -- estimate of their run time) over the live slots serving the tier. Unknown slots or estimates admit:
+  -- a fleet learns from its first runs.
+  local slots = tonumber(redis.call('HGET', KEYS[5], 'slots:' .. ARGV[4]))
+  if slots and slots > 0 then
+    local work = 0
+    local function add(name)
+      local waiting = redis.call('LLEN', name)
+      if waiting > 0 then
+        local each = tonumber(redis.call('HGET', KEYS[7], name))
+        if each and each > 0 then work = work + waiting * each end
+      end
+    end
+    add(ARGV[7])
+    if ARGV[8] ~= '' then add(ARGV[8]) end
+    local head = ARGV[9]
+    for _, name in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+      if string.sub(name, 1, #head) == head and name ~= ARGV[8] then add(name) end
+    end
+    local wait = work / slots
+    if wait > budget then
+      redis.call('HINCRBY', KEYS[3], 'refused_wait:' .. ARGV[4], 1)
+      return {0, n, string.format('%.6f', wait)}
+    end
+  end
+end
 local cap = tonumber(ARGV[2])
 if cap < 0 or n < cap then
   redis.call('LPUSH', KEYS[1], ARGV[1])

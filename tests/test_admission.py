@@ -1,0 +1,142 @@
+"""Realtime under its own surge (issue 36): admission by predicted wait (Redis) and deadlines (both brokers),
+against real brokers and real workers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from celery.exceptions import TaskRevokedError
+
+from celery_prio import QueueFull, Tier
+
+pytestmark = pytest.mark.broker
+
+R = Tier.REALTIME
+
+
+def _warm(env, seconds: float, runs: int = 3) -> None:
+    """Runs that teach the fleet the task's run time, then the shared estimate and the slot count."""
+    rt = env.app.tasks["t.rt_sleep"]
+    for i in range(runs):
+        rt.delay(f"warm{i}", seconds).get(timeout=30)
+    client = env.adapter.client
+    settings_key, estimates = f"{env.prefix}.admission", f"{env.prefix}.estimates"
+    env.wait_for(
+        lambda: client.hlen(estimates) > 0 and client.hget(settings_key, "slots:realtime") is not None,
+        timeout=15,
+        what="the fleet's run-time estimate and slot count",
+    )
+
+
+def _surge(env, calls: int, seconds: float) -> tuple[list, list[QueueFull]]:
+    rt = env.app.tasks["t.rt_sleep"]
+    accepted, refused = [], []
+    for i in range(calls):
+        try:
+            accepted.append(rt.delay(f"s{i}", seconds))
+        except QueueFull as full:
+            refused.append(full)
+    return accepted, refused
+
+
+def test_a_surge_is_refused_by_its_predicted_wait_and_what_is_accepted_runs_within_the_budget(redis_env):
+    env = redis_env
+    env.configure(max_wait={"realtime": 0.3}, realtime_deadline=0)
+    env.start_worker(concurrency=2)
+    _warm(env, 0.1)
+    started = time.time()
+    accepted, refused = _surge(env, 60, 0.1)
+    # 2 slots, 0.1 s a call, 0.3 s budget: a handful waiting at a time, the rest refused at once.
+    assert refused, "nothing was refused"
+    assert len(accepted) <= 20, len(accepted)
+    full = refused[0]
+    assert (full.reason, full.status_code, full.tier, full.budget) == ("wait", 429, R, 0.3)
+    assert full.predicted_wait > 0.3 and full.retry_after > 0
+    assert "predicted wait" in str(full) and "0.3 s budget" in str(full) and "prio_max_wait" in str(full)
+    for result in accepted:  # nothing accepted is lost
+        assert result.get(timeout=30).startswith("s")
+    ended = {e["tag"]: e["t"] for e in env.log() if e["kind"] == "start"}
+    waits = sorted(ended[r.result] - started for r in accepted)
+    # Within the budget, plus the rest of the runs in progress when it came and this machine's slack.
+    assert waits[-1] < 0.3 + 0.5, waits
+    counters = env.adapter.counters(env_settings(env))
+    assert counters.get("refused_wait:realtime") == len(refused)
+    assert counters.get("rejected:realtime", 0) == 0  # no cap refusal: the wait budget came first
+
+
+def test_a_fleet_with_no_estimate_yet_admits_under_the_cap(redis_env):
+    env = redis_env
+    env.configure(max_length={"realtime": 30})
+    accepted, refused = _surge(env, 40, 0.1)  # no worker ever ran here: no estimate, no slots
+    assert len(accepted) == 30
+    assert [f.reason for f in refused] == ["cap"] * 10
+
+
+def test_more_slots_admit_more(redis_env):
+    env = redis_env
+    env.configure(max_wait={"realtime": 1.0}, realtime_deadline=0)
+    env.start_worker(concurrency=1)
+    _warm(env, 1.0, runs=2)
+    one_slot, _ = _surge(env, 30, 1.0)
+    for result in one_slot:
+        result.get(timeout=60)
+    env.start_worker(concurrency=3)  # a worker joins: 4 slots, of which realtime's weight gives it 8/11
+    admission = f"{env.prefix}.admission"
+    env.wait_for(
+        lambda: abs(float(env.adapter.client.hget(admission, "slots:realtime") or 0) - 4 * 8 / 11) < 0.01,
+        timeout=15,
+        what="the new worker's slots counted",
+    )
+    four_slots, _ = _surge(env, 30, 1.0)
+    assert len(four_slots) >= len(one_slot) + 3, (len(one_slot), len(four_slots))
+    for result in four_slots:
+        result.get(timeout=60)
+
+
+def test_a_realtime_call_past_its_deadline_is_marked_expired_and_never_runs(env):
+    env.configure(realtime_deadline=0.5)
+    env.start_worker(concurrency=1)
+    rt = env.app.tasks["t.rt_sleep"]
+    blocker = rt.delay("blocker", 1.5)
+    env.wait_for(lambda: any(e["tag"] == "blocker" for e in env.log()), what="the blocker to start")
+    late = rt.delay("late", 0)
+    own = rt.apply_async(("own-expiry", 0), expires=30)  # a call's own expires= wins over the deadline
+    assert blocker.get(timeout=30) == "blocker"
+    with pytest.raises(TaskRevokedError):
+        late.get(timeout=30)
+    assert late.state == "REVOKED"
+    assert own.get(timeout=30) == "own-expiry"
+    assert "late" not in {e["tag"] for e in env.log()}  # never ran
+    from celery_prio.worker.control import collect_prio_stats
+
+    (stats,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
+    assert stats["tiers"]["realtime"]["expired"] == 1
+
+
+def test_by_default_a_realtime_call_expires_after_five_times_the_target(redis_env):
+    env = redis_env
+    env.configure(realtime_deadline=None)  # the product's default: 5 x prio_realtime_target = 1 s
+    rt = env.app.tasks["t.rt_sleep"]
+    stale = rt.delay("stale", 0)
+    time.sleep(1.3)  # no worker yet: the call is past its deadline when one comes
+    env.start_worker(concurrency=1)
+    assert rt.delay("fresh", 0).get(timeout=30) == "fresh"
+    with pytest.raises(TaskRevokedError):
+        stale.get(timeout=30)
+    assert "stale" not in {e["tag"] for e in env.log()}
+
+
+def test_the_deadline_and_wait_budget_settings_are_checked(env):
+    from celery_prio import ConfigError
+
+    with pytest.raises(ConfigError, match=r"prio_max_wait\[realtime\] must be a number > 0"):
+        env.configure(max_wait={"realtime": 0})
+    with pytest.raises(ConfigError, match="prio_realtime_deadline must be a number >= 0"):
+        env.configure(realtime_deadline="soon")
+
+
+def env_settings(env):
+    from celery_prio import settings_for
+
+    return settings_for(env.app)
