@@ -124,6 +124,8 @@ def test_grafana_dashboard_uses_metrics_the_workers_export():
         "celery_prio_configured_share",
         "celery_prio_dispatched_total",
         "celery_prio_rejected_total",
+        "celery_prio_refused_wait_total",
+        "celery_prio_expired_total",
         "celery_prio_dropped_total",
         "celery_prio_promoted_total",
         "celery_prio_run_seconds_bucket",

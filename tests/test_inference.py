@@ -12,6 +12,7 @@ import redis
 from celery import Celery
 from fastapi.testclient import TestClient
 
+from celery_prio import QueueFull
 from celery_prio.tools.workers import WorkerProcess
 from tests.conftest import REDIS_URL, ROOT, need_broker
 
@@ -353,7 +354,9 @@ def test_a_model_that_cannot_load_stops_the_worker_with_the_reason(tasks_env, tm
 def test_sliced_example_tasks_match_unsliced_runs(tmp_path):
     """classify_batch and evaluate yield to realtime classify between micro-batches; results are unchanged."""
     need_broker("redis")
-    env = TasksEnv(tmp_path, reserve=0, slice={"batch": 0.01, "offline": 0.01})
+    # The realtime stream is more than one slot shared with two sliced tiers serves within the default wait
+    # budget: a refused call is what a caller sees (QueueFull), and it degrades; none may wait past a deadline.
+    env = TasksEnv(tmp_path, reserve=0, slice={"batch": 0.01, "offline": 0.01}, realtime_deadline=0)
     env.env["INFERENCE_MICRO_BATCH"] = "8"
     try:
         env.start_worker(concurrency=1)
@@ -362,10 +365,16 @@ def test_sliced_example_tasks_match_unsliced_runs(tmp_path):
         x = (x * 9)[:4000]
         batch = app.send_task("tasks.inference.classify_batch", args=[x], tier="batch")
         report = app.send_task("tasks.inference.evaluate", tier="offline")
-        realtime = []
+        realtime, refused = [], 0
         while not (batch.ready() and report.ready()):
-            realtime.append(app.send_task("tasks.inference.classify", args=[x[len(realtime) % 450]], tier="realtime"))
+            try:
+                call = app.send_task("tasks.inference.classify", args=[x[len(realtime) % 450]], tier="realtime")
+                realtime.append(call)
+            except QueueFull as full:
+                assert full.reason == "wait", full
+                refused += 1
             time.sleep(0.05)
+        assert realtime, f"every realtime call was refused ({refused})"
         assert all(r.get(timeout=30)["label"] in range(10) for r in realtime)
         assert batch.get(timeout=5) == predict.classify_batch(x, micro_batch=8)
         unsliced = predict.evaluate()

@@ -10,7 +10,7 @@
 --#include ring
 
 local n = redis.call('LLEN', KEYS[1])
-local budget = tonumber(ARGV[6])
+local budget = tonumber(ARGV[6]) or -1  -- a caller that passes no budget: admitted by the cap alone
 if budget >= 0 then
   -- The wait a new call would see: the work waiting in its tier (each list's messages times the fleet's
   -- estimate of their run time) over the live slots serving the tier. Unknown slots or estimates admit:
