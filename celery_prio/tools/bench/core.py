@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from ...brokers import adapter_for
+from ...errors import QueueFull
 from ..benchapp import NATIVE_PRIORITY, make_app
 from ..workers import WorkerProcess
 
@@ -90,6 +91,8 @@ class Run:
         self.extra_env: dict[str, str] = {}  # more environment for its workers
         self.python: str | None = None  # its workers' interpreter (None: this one)
         self.started = 0  # workers started so far (each gets its own node name and log)
+        self.raise_refusals = False  # a part that counts refusals itself (--only surge) sets it
+        self.refused = 0  # publishes refused with QueueFull (celery-prio's admission): the caller knew at once
 
     def start_worker(self, wait: bool = True) -> None:
         env = {
@@ -139,10 +142,16 @@ class Run:
         task, args = self.task, (label or tier, sent, seconds)
         if elements:
             task, args = self.app.tasks["bench.sliced"], (label or tier, sent, elements, seconds / elements)
-        if self.mode == "prio" and self.tier_on == "decorator":
-            self.app.tasks[f"bench.{kind}_{tier}"].apply_async(args)
-        elif self.mode == "prio":
-            task.apply_async(args, tier=tier)
+        if self.mode == "prio":
+            try:
+                if self.tier_on == "decorator":
+                    self.app.tasks[f"bench.{kind}_{tier}"].apply_async(args)
+                else:
+                    task.apply_async(args, tier=tier)
+            except QueueFull:
+                if self.raise_refusals:
+                    raise
+                self.refused += 1
         elif self.mode.startswith("native"):
             task.apply_async(args, priority=NATIVE_PRIORITY[self.kind][tier])
         else:
@@ -232,10 +241,13 @@ def run_mixed(
         sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed)).get("realtime", 0)
         if not sent_rt:
             time.sleep(max(0.0, t_end - time.time()))
+        sent_rt -= run.refused  # refused at once (QueueFull): never in the queue, the caller degraded at once
         cutoff, records = await_realtime(run, sent_rt, w.grace)
     finally:
         run.close()
-    return summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
+    summary = summarize(records, t0, t_end, cutoff, sent_rt, offline_sent, w)
+    summary["realtime"]["refused"] = run.refused
+    return summary
 
 
 def offline_busy(records, start_at: float, end_at: float, tier_name: str = "offline") -> float:

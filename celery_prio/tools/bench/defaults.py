@@ -67,9 +67,16 @@ def bench_defaults(broker: str, mixed: Workload, sliced: SliceWorkload, logdir: 
             mix_ratio = m["realtime"]["p99_ms"] / results["mixed"]["native"]["realtime"]["p99_ms"]
             ratios[name]["mixed_rt_p99_over_native"] = mix_ratio
             mixed_cols = f"{m['realtime']['p99_ms']:>14.0f}{mix_ratio:>10.2f}{m['batch']['per_s']:>9.1f}"
+        refused = (m["realtime"].get("refused", 0) if m else 0) + c1["realtime"].get("refused", 0)
         out(
             f"{name:<38}{mixed_cols}{c1['realtime']['p99_ms']:>13.0f}{c1_ratio:>10.2f}"
             f"{c1['batch_items_per_s']:>11.1f}{c1['offline_items_per_s']:>9.1f}"
+            + (
+                f"  (realtime refused: mix {m['realtime'].get('refused', 0) if m else 0}, "
+                f"c1 {c1['realtime'].get('refused', 0)})"
+                if refused
+                else ""
+            )
         )
     out("targets: overload-mix realtime P99 well under native priority's; -c 1 sliced realtime P99 <= 200 ms")
     results["ratios"] = ratios

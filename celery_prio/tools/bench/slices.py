@@ -52,7 +52,7 @@ def run_sliced(
         t0 = time.time()
         t_end = t0 + w.duration
         streams = {"realtime": (w.rt_rate, lambda: run.publish("realtime", w.rt_seconds))}
-        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed))["realtime"]
+        sent_rt = poisson_streams(streams, t0, t_end, random.Random(w.seed))["realtime"] - run.refused
         cutoff, records = await_realtime(run, sent_rt, w.grace)
     finally:
         run.close()
@@ -62,7 +62,12 @@ def run_sliced(
         tier: sum(1 for r in records if r[0] == f"{tier}-item" and t0 <= r[3] <= t_end) for tier in ("batch", "offline")
     }
     return {
-        "realtime": {"sent": sent_rt, "p50_ms": percentile(rt, 50) * 1000, "p99_ms": percentile(rt, 99) * 1000},
+        "realtime": {
+            "sent": sent_rt,
+            "refused": run.refused,
+            "p50_ms": percentile(rt, 50) * 1000,
+            "p99_ms": percentile(rt, 99) * 1000,
+        },
         "batch_items_per_s": items["batch"] / w.duration,
         "offline_items_per_s": items["offline"] / w.duration,
     }

@@ -34,6 +34,7 @@ def run_surge(
     **app_options: Any,
 ) -> dict[str, Any]:
     run = Run(mode, broker, logdir, concurrency, **app_options)
+    run.raise_refusals = True  # counted here, with how fast each came back
     try:
         run.start(cold=True)
         for _ in range(batch_backlog):
