@@ -45,7 +45,8 @@ class ChaosResult:
     accepted: Counter = field(default_factory=Counter)  # per kind of publish
     refused: int = 0  # publishes that failed (the broker was down): not accepted, not counted
     completed: int = 0
-    lost: list[str] = field(default_factory=list)  # accepted, never completed
+    lost: list[str] = field(default_factory=list)  # accepted, never completed, not marked expired
+    expired: int = 0  # realtime calls past their deadline (a kill delayed them): marked REVOKED, never run
     kills: int = 0
     broker_restarts: int = 0
     failovers: int = 0  # REPLICAOF a master that is not there, then REPLICAOF NO ONE
@@ -70,7 +71,8 @@ class ChaosResult:
             f"accepted {sum(self.accepted.values())} ({accepted}); refused while the broker was down {self.refused}",
             f"worker SIGKILLs + restarts in place {self.kills}; broker restarts {self.broker_restarts}; "
             f"replica-and-back failovers {self.failovers}; boosts {self.boosts}",
-            f"completed {self.completed}; lost {len(self.lost)}; drained {self.drain_s:.1f} s after the chaos",
+            f"completed {self.completed}; expired past the realtime deadline {self.expired}; lost {len(self.lost)}; "
+            f"drained {self.drain_s:.1f} s after the chaos",
             f"cut off by a kill and run again {self.cut_off_and_run_again}; "
             f"completed twice, a kill explains it (acks_late) {self.ran_again_after_a_kill}; "
             f"ran twice unexplained {len(self.ran_twice_unexplained)}; sliced results wrong {len(self.sliced_wrong)}",
@@ -224,6 +226,7 @@ def run_chaos(
         result.failovers += 1
 
     accepted: dict[str, str] = {}  # tag -> kind
+    realtime: dict[str, Any] = {}  # tag -> result: a call a kill delayed past its deadline is marked expired
     sliced: dict[str, tuple[Any, int]] = {}  # tag -> (result, n)
     offline: list[Any] = []
     boosted: set[str] = set()
@@ -249,6 +252,8 @@ def run_chaos(
                     res = work.apply_async((tag, seconds), tier=kind)
                     if kind == "offline":
                         offline.append((tag, res))
+                    if kind == "realtime":
+                        realtime[tag] = res
                     accepted[tag] = kind
                 elif kind == "bulk":
                     tags = [f"bulk-{n}-{i}" for i in range(10)]
@@ -281,16 +286,22 @@ def run_chaos(
     def events() -> list[dict[str, Any]]:
         return [json.loads(x) for x in recorder.lrange(key, 0, -1)]
 
+    def expired(ended: set[str]) -> set[str]:
+        """Realtime calls not run that Celery marked expired (``prio_realtime_deadline``): accounted for."""
+        return {tag for tag, res in realtime.items() if tag not in ended and res.state == "REVOKED"}
+
     drained_from = time.monotonic()
     ended: set[str] = set()
     while time.monotonic() - drained_from < drain_timeout:
         ended = {e["tag"] for e in events() if e["kind"] == "end"}
-        if set(accepted) <= ended:
+        if set(accepted) <= ended | expired(ended):
             break
         time.sleep(0.5)
     result.drain_s = time.monotonic() - drained_from
     log = events()
-    result.lost = sorted(set(accepted) - ended)
+    gone_by_deadline = expired(ended)
+    result.expired = len(gone_by_deadline)
+    result.lost = sorted(set(accepted) - ended - gone_by_deadline)
     result.completed = len(set(accepted) & ended)
     by_tag: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in log:

@@ -74,7 +74,10 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
     def chord_of_batched(tag: str, size: int) -> list[str]:
         """Publish a chord of ``size`` batched calls and a body; the tags the run waits to see end."""
         parts = [f"{tag}-{i}" for i in range(size)]
-        chord([batched.s(p) for p in parts])(join.s(tag))
+        # The header's calls are realtime: a kill can delay one past realtime's deadline, and a chord with an
+        # expired member never runs its body. Their own expires= keeps them (plain realtime calls keep the
+        # default deadline, and the run accounts for those that expire).
+        chord([batched.s(p).set(expires=3600) for p in parts])(join.s(tag))
         return [*parts, tag]
 
     app.chaos_chord = chord_of_batched  # type: ignore[attr-defined]
