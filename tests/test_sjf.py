@@ -34,7 +34,8 @@ def test_short_realtime_tasks_go_before_queued_long_ones(env):
 
 def test_a_long_task_is_not_starved_past_the_bound(env):
     """Shorts arrive faster than one slot runs them; each long still starts within about prio_sjf_max_wait."""
-    env.configure(reserve=0, sjf_max_wait=0.3)
+    # No wait budget: the flood must stay in the queue (admission would refuse most of it, as it should).
+    env.configure(reserve=0, sjf_max_wait=0.3, max_wait={"realtime": None})
     env.start_worker(concurrency=1)
     long, short = env.app.tasks["t.rt_sleep"], env.app.tasks["t.rt_short"]
     long.delay("warm-long", 0.1).get(timeout=20)
