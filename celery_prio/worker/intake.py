@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from celery.utils.log import get_logger
 
 from ..brokers import BrokerFetchSource
-from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, PROMOTED_HEADER, SLICE_HEADER
+from ..headers import BOOST_GENERATION_HEADER, BOOSTED_HEADER, ENQUEUED_HEADER, PROMOTED_HEADER, SLICE_HEADER
 from ..policy.served import ServedQueues
 from ..policy.superseded import RUN, STALE, Superseded, generation_of
 from ..tiers import Tier
-from ..untrusted import enqueue_age, headers_problem, was_promoted_by_broker
+from ..untrusted import enqueue_age, headers_problem, valid_stamp, was_promoted_by_broker
 from .batching import Batcher
 from .fetchloop import FetchLoop
 from .stats import WorkerStats
@@ -117,16 +117,16 @@ class Intake:
         a call whose ``expires=`` passed: ``REVOKED`` in the result backend (``.get()`` raises
         ``TaskRevokedError`` at once), the ``task-revoked`` event and signal (``expired=True``), acked unrun.
         A call with its own ``expires`` or an ETA, and work lifted into realtime (aged, boosted, a slice's
-        continuation, a batched or promoted call), keep their own terms."""
+        continuation), keep their own terms."""
         deadline = self.deadline if tier is Tier.REALTIME else 0.0
         if deadline <= 0 or headers.get("expires") is not None or headers.get("eta") is not None:
             return False
         if any(h in headers for h in LIFTED_HEADERS) or was_promoted_by_broker(headers):
             return False
-        age = enqueue_age(headers, time.time())
-        if age is None or age <= deadline:
+        published = valid_stamp(headers.get(ENQUEUED_HEADER))
+        if published is None or time.time() - published <= deadline:
             return False
-        headers["expires"] = datetime.fromtimestamp(time.time() - age + deadline, tz=UTC).isoformat()
+        headers["expires"] = datetime.fromtimestamp(published + deadline, tz=UTC).isoformat()
         self.stats.observe_expired(tier)
         return True
 
