@@ -132,7 +132,7 @@ def _apply(app: Celery, runtime: Prio, first: bool) -> list[str]:
     routes = conf.task_routes
     routes = [] if routes is None else list(routes) if isinstance(routes, (list, tuple)) else [routes]
     routes = [r for r in routes if not getattr(r, "celery_prio", False)]
-    router = make_router(settings, publishing.subqueue, runtime.routed)
+    router = make_router(settings, publishing.subqueue, runtime.routed, publishing.admit)
     conf.task_routes = runtime.routes = [router, *routes]
     changes.append("task_routes: the tier router first" + (", then the app's own routes" if routes else ""))
 

@@ -88,7 +88,8 @@ class Job:
 class BrokerFigures:
     """Broker-wide figures a worker reports, read on its own loop (never from the metrics thread)."""
 
-    counters: dict[str, int] | None = None  # None: the broker keeps none (RabbitMQ)
+    counters: dict[str, int] | None = None  # None: the broker keeps none
+    kept: tuple[str, ...] | None = None  # the counters it keeps (None: all; RabbitMQ keeps the refusals only)
     oldest_age: dict[Tier, float | None] = field(default_factory=dict)  # at ``read_at``; None: unknown
     depth: dict[Tier, int] = field(default_factory=dict)  # waiting in the queues this worker serves, per tier
     read_at: float = 0.0

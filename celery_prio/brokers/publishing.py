@@ -205,6 +205,10 @@ class Publisher:
     def before_send(self) -> None:
         """Called before every publish through the app (cheap after the first)."""
 
+    def admit(self, tier: Tier, queue: str) -> None:
+        """Raise ``QueueFull`` before a call to ``queue`` of ``tier`` is published if it would wait past the
+        tier's ``prio_max_wait`` (RabbitMQ); Redis predicts the wait inside its publish script instead."""
+
     def refusal(self, tier: Tier, queue: str | None, exc: BaseException) -> QueueFull | None:
         """``QueueFull`` when ``exc`` is this broker saying ``tier`` (its ``queue``) is full; else None."""
         return None

@@ -84,6 +84,12 @@ def status(ctx, as_json: bool, watch: float | None):
                             f"REFUSED {label}: {r.get('rejected') or 0} at the cap, {r.get('refused_wait') or 0} "
                             f"over the wait budget (prio_max_wait); {r.get('expired') or 0} expired past the deadline"
                         )
+                for label, r in data["tiers"].items():
+                    if r.get("answered"):
+                        click.echo(
+                            f"ON TIME {label}: {r['on_time']} of {r['answered']} answered within "
+                            f"prio_realtime_target ({settings.realtime_target:g} s), publish to done"
+                        )
                 for name, r in data["unserved"].items():
                     click.echo(f"UNSERVED {name}: {r['depth']} waiting, no live worker serves {r['tier']}")
                 for name, r in data["legacy"].items():
@@ -168,6 +174,9 @@ def simulate(ctx, workload: Path, sets, vs, workers, concurrency, as_json: bool)
         ("completed / arrived", None, None),
         ("promoted", "promoted", "{}"),
         ("yields", "yields", "{}"),
+        ("refused (429 wait)", "refused", "{}"),
+        ("expired (deadline)", "expired", "{}"),
+        ("on time (target)", "on_time", "{}"),
     )
     width = max(24, *(len(label) + 2 for label in runs))
     for tier in ("realtime", "batch", "offline"):

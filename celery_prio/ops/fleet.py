@@ -59,6 +59,8 @@ def cluster_status(app, settings, adapter) -> dict:
             "rejected": worst("rejected"),
             "refused_wait": worst("refused_wait"),
             "expired": sum(r.expired for r in per_worker),
+            "answered": sum(r.answered for r in per_worker),
+            "on_time": sum(r.on_time for r in per_worker),
             "dropped": worst("dropped"),
             "dead_lettered": worst("dead_lettered"),
             "yields": sum(r.yields for r in per_worker),

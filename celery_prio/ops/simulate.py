@@ -13,8 +13,12 @@ backlogs, run-time distributions, a per-task dispatch overhead (broker round
 trips and the pool hand-off), aging (promotion into the upper tier's front
 lane past the threshold, every ``prio_aging_interval``) and GPU time slices
 (a task made of elements yields between them the way ``celery_prio.slices``
-does). Not modelled: sub-queues, SJF order among several realtime task
-names, capacity caps, broker failures. A workload whose outcome would depend
+does), admission by predicted wait (``prio_max_wait``: the work waiting in
+the tier, by the workers' measured per-call estimates, over their slots;
+the estimates reach the publishers at once, where real fleets share them
+within 25-100 ms) and realtime deadlines (``prio_realtime_deadline``: a call
+fetched past it is counted expired, never run). Not modelled: sub-queues,
+SJF order among several realtime task names, message caps, broker failures. A workload whose outcome would depend
 on the first two is refused with the reason (``unmodelled``), never
 simulated wrongly.
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..brokers.memory import MemoryDoorbell, MemoryFetchSource
+from ..policy.admission import predicted_wait, slot_share
 from ..policy.count_scheduler import scheduler_for
 from ..policy.served import ServedQueues
 from ..settings import PrioSettings
@@ -88,6 +93,9 @@ class TierResult:
     completed_in_window: int = 0  # finished while arrivals were still coming (before ``duration``)
     promoted: int = 0
     yields: int = 0
+    refused: int = 0  # publishes refused for their predicted wait (429)
+    expired: int = 0  # realtime calls fetched past their deadline: not run
+    on_time: int = 0  # realtime calls answered within prio_realtime_target, publish to done
     busy_s: float = 0.0
     waits: list[float] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
@@ -109,6 +117,9 @@ class TierResult:
             "longest_wait_s": round(self.longest_wait_s, 3),
             "promoted": self.promoted,
             "yields": self.yields,
+            "refused": self.refused,
+            "expired": self.expired,
+            "on_time": self.on_time,
         }
 
 
@@ -146,6 +157,10 @@ class _Worker:
         sim, now = self.sim, self.sim.loop.now
         result = sim.results[task.stream.tier]  # waits and completions count for the tier it was sent to
         if not task.started:
+            deadline = sim.settings.realtime_deadline
+            if task.stream.tier is Tier.REALTIME and deadline > 0 and now - task.enqueued_at > deadline:
+                result.expired += 1  # Celery marks it expired and acks it unrun: no slot taken
+                return
             task.started = True
             wait = now - task.enqueued_at
             result.waits.append(wait)
@@ -188,7 +203,9 @@ class _Worker:
         result.completed += 1
         if sim.loop.now <= sim.workload.duration:
             result.completed_in_window += 1
-        result.latencies.append(sim.loop.now - task.enqueued_at)
+        latency = sim.loop.now - task.enqueued_at
+        result.latencies.append(latency)
+        result.on_time += task.stream.tier is Tier.REALTIME and latency <= sim.settings.realtime_target
         self._release(tier, task, began)
 
     def _release(self, tier: Tier, task: Task, began: float) -> None:
@@ -231,7 +248,30 @@ class Simulation:
         run_time = stream.seconds.sample(self.rng) if seconds is None else seconds
         task = Task(next(self._keys), stream, run_time, self.loop.now, stream.tier, stream.elements)
         self.results[stream.tier].arrived += 1
+        if self._over_budget(stream.tier):
+            self.results[stream.tier].refused += 1
+            return
         self.put(self.settings.queue_name(stream.tier), task, stream.tier)
+
+    def _over_budget(self, tier: Tier) -> bool:
+        """Admission by predicted wait, as the publish script does it (``policy/admission.py``)."""
+        budget = self.settings.max_wait[tier]
+        if budget is None:
+            return False
+        weights, concurrency = self.settings.weights, self.workload.concurrency
+        slots = sum(slot_share(concurrency, tier, TIERS, weights) for _ in self.workers)
+        measured: dict[str, list[float]] = {}
+        for worker in self.workers:
+            for name, each in worker.served.per_call_estimates([tier]).items():
+                measured.setdefault(name, []).append(each)
+        names = [self.settings.queue_name(tier), self.settings.front_lanes().get(tier)]
+        waiting = [
+            (len(self.queues.get(n, ())), sum(measured[n]) / len(measured[n]) if n in measured else None)
+            for n in names
+            if n
+        ]
+        wait = predicted_wait(waiting, slots)
+        return wait is not None and wait > budget
 
     def put(self, queue: str, task: Task, tier: Tier) -> None:
         """Into ``queue`` of ``tier``, ringing the tier's doorbell (the publish, aging and yield scripts do)."""

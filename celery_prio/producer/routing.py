@@ -56,12 +56,15 @@ def make_router(
     settings: PrioSettings,
     subqueue: SubqueueOf | None = None,
     routed: contextvars.ContextVar[Route | None] | None = None,
+    admit: Callable[[Tier, str], None] | None = None,
 ):
     """A Celery router function (``task_routes`` entry) that maps tiers (and sub-queues) to queues.
 
     ``subqueue(tier, name)`` returns the kombu Queue of a sub-queue (made
     known to the workers on first use). ``routed`` records each decision for
     the publish that follows (a refusal names the tier and queue from it).
+    ``admit(tier, queue)`` raises ``QueueFull`` for a call its tier cannot take
+    in time (RabbitMQ's admission by predicted wait), before anything is sent.
     """
     queue_for = {tier: settings.queue_name(tier) for tier in TIERS}
 
@@ -77,7 +80,11 @@ def make_router(
                 raise ValueError("sub-queues need celery_prio.install(app)")
             kombu_queue = subqueue(tier, sub)
             register_subqueue(kombu_queue.name)  # stamped like a tier queue
+            if admit is not None:
+                admit(tier, kombu_queue.name)
             return {"queue": kombu_queue}
+        if admit is not None:
+            admit(tier, queue_for[tier])
         return {"queue": queue_for[tier]}
 
     route_by_tier.celery_prio = True  # type: ignore[attr-defined]

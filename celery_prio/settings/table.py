@@ -229,7 +229,7 @@ SETTINGS: tuple[Setting, ...] = (
         "fleet's run-time estimates, over the slots serving the tier); a publish over it is refused with "
         "`QueueFull` (429). `None`: half of `prio_realtime_target` for realtime (0.1 s: the rest of the target is "
         "the call's own run), no budget for batch and offline; a dict overrides per tier (`None`: no budget). "
-        "Redis; see [Capacity](../guides/capacity.md)",
+        "Redis and RabbitMQ; see [Capacity](../guides/capacity.md)",
         shown="None (realtime: prio_realtime_target / 2; batch, offline: none)",
     ),
     Setting(

@@ -69,6 +69,7 @@ class FetchLoop:
         self.active = False
         self.fetching: Tier | None = None  # the tier of the message being delivered right now
         self.fetching_queue: str | None = None  # and the queue it came from
+        self.fetching_waited: float | None = None  # and how long it waited since its publish (intake reads it)
         self._timer: object = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
         self._wake_pending = False
@@ -160,7 +161,7 @@ class FetchLoop:
             try:
                 self.deliver(take.tier, take.message)
             finally:
-                self.fetching = self.fetching_queue = None
+                self.fetching = self.fetching_queue = self.fetching_waited = None
         self.loop.call_soon(self.pump)
 
     def _retry_later(self) -> None:
@@ -173,7 +174,8 @@ class FetchLoop:
         """A delivered message took a slot (Celery handed its request to the pool)."""
         queue = self.fetching_queue  # None for an ETA request whose time has come: no queue to charge
         queue_charge = self.lanes.dispatched(queue) if self.lanes is not None and queue else 0.0
-        self.ledger.start(key, tier, self.scheduler.dispatched(tier), self.clock(), queue, queue_charge)
+        dispatched = self.scheduler.dispatched(tier)
+        self.ledger.start(key, tier, dispatched, self.clock(), queue, queue_charge, self.fetching_waited)
 
     def settle(self, still_held: Container) -> None:
         """Retire what no longer holds a slot, charge its run time, refill."""
@@ -182,7 +184,7 @@ class FetchLoop:
             return
         for s in settled:
             self.scheduler.finished(s.tier, s.runtime, s.charge)
-            self.stats.observe_run(s.tier, s.runtime)
+            self.stats.observe_run(s.tier, s.runtime, s.waited)
             if self.lanes is not None and s.queue:
                 self.lanes.finished(s.queue, s.runtime, s.queue_charge)
             if self.on_settled is not None:

@@ -139,6 +139,7 @@ class Intake:
             return
         promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
         wait = enqueue_age(headers, now)
+        self.loop.fetching_waited = wait  # its run's end tells whether it was answered within the target
         self.stats.observe_fetch(tier, wait, promoted, now)
         if wait is not None and self.loop.fetching_queue:
             self.served.observe_wait(self.loop.fetching_queue, wait)

@@ -21,6 +21,7 @@ class Entry:
     charge: float  # what the scheduler charged at dispatch (see TierScheduler.dispatched)
     queue: str | None = None  # the queue it came from, and what that queue was charged inside its tier
     queue_charge: float = 0.0
+    waited: float | None = None  # seconds it waited from its publish to its fetch (None: unstamped)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Settled:
     queue: str | None = None
     queue_charge: float = 0.0
     key: Hashable = None  # what was started (the worker: Celery's request)
+    waited: float | None = None
 
 
 class Ledger:
@@ -44,9 +46,16 @@ class Ledger:
         return key in self._entries
 
     def start(
-        self, key: Hashable, tier: Tier, charge: float, now: float, queue: str | None = None, queue_charge: float = 0.0
+        self,
+        key: Hashable,
+        tier: Tier,
+        charge: float,
+        now: float,
+        queue: str | None = None,
+        queue_charge: float = 0.0,
+        waited: float | None = None,
     ) -> None:
-        self._entries[key] = Entry(tier, now, charge, queue, queue_charge)
+        self._entries[key] = Entry(tier, now, charge, queue, queue_charge, waited)
 
     def settle(self, still_held: Container, now: float) -> list[Settled]:
         """Retire every entry whose key is no longer in ``still_held``; what each ran for."""
@@ -55,7 +64,7 @@ class Ledger:
         for key in done:
             entry = self._entries.pop(key)
             runtime = max(0.0, now - entry.started)
-            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge, key))
+            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge, key, entry.waited))
         return out
 
     def running(self, tier: Tier) -> int:

@@ -70,14 +70,31 @@ class PrioCollector:
             "Tasks this worker took that a boost lifted into the tier",
             "boosted_seen",
         )
-        yield family(CounterMetricFamily, "rejected", "Publishes refused with 429 at the cap (Redis)", "rejected")
+        yield family(
+            CounterMetricFamily,
+            "rejected",
+            "Publishes refused with 429 at the cap (RabbitMQ: where a wait budget keeps the fleet's record)",
+            "rejected",
+        )
         yield family(
             CounterMetricFamily,
             "refused_wait",
-            "Publishes refused with 429 for a predicted wait over prio_max_wait (Redis)",
+            "Publishes refused with 429 for a predicted wait over prio_max_wait",
             "refused_wait",
         )
         yield family(CounterMetricFamily, "expired", "Calls past their deadline, marked expired unrun", "expired")
+        yield family(
+            CounterMetricFamily,
+            "answered",
+            "Realtime calls run whose publish time was known (of which on_time)",
+            "answered",
+        )
+        yield family(
+            CounterMetricFamily,
+            "on_time",
+            "Realtime calls answered within prio_realtime_target, publish to done (goodput)",
+            "on_time",
+        )
         yield family(CounterMetricFamily, "dropped", "Messages evicted to the dead letters (Redis)", "dropped")
         yield family(
             CounterMetricFamily,

@@ -63,6 +63,8 @@ class TierReport(_FromReply):
     promoted_seen: int = 0
     boosted_seen: int = 0  # tasks this worker ran that a boost had lifted into the tier
     expired: int = 0  # calls this worker found past their deadline: marked expired, not run
+    answered: int = 0  # realtime calls this worker ran whose publish time it knew
+    on_time: int = 0  # of those, answered within prio_realtime_target (goodput)
     # GPU time slices: runs of sliced tasks that gave their slot back, and the tier's slice length.
     yields: int = 0
     slice_s: float | None = None
@@ -148,7 +150,10 @@ def build_report(
             oldest = stats.oldest_wait(tier, now)
 
         def counted(name: str, tier_label: str = tier.label) -> int | None:
-            return None if counters is None else counters.get(f"{name}:{tier_label}", 0)
+            key = f"{name}:{tier_label}"
+            if counters is None or (broker.kept is not None and key not in broker.kept):
+                return None  # not kept by this broker: unknown, not zero
+            return counters.get(key, 0)
 
         tiers[tier.label] = TierReport(
             queues=list(served.by_tier[tier]),
@@ -242,6 +247,8 @@ def readable_rows(report: WorkerReport) -> dict[str, str]:
             parts.append(f"refused {row.rejected or 0} at the cap, {row.refused_wait or 0} over the wait budget")
         if row.expired:
             parts.append(f"expired {row.expired}")
+        if row.answered:
+            parts.append(f"on time {row.on_time} of {row.answered}")
         if row.boosted_seen:  # run here after a boost lifted them into this tier
             parts.append(f"boosted in {row.boosted_seen}")
         if row.batches:

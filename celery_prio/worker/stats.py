@@ -62,6 +62,8 @@ class TierFigures:
     promoted_seen: int = 0  # fetched messages that had been promoted into this tier
     boosted_seen: int = 0  # fetched messages that celery_prio.boost had lifted into this tier
     expired: int = 0  # calls past their deadline when fetched: marked expired, not run
+    answered: int = 0  # realtime calls that ran, publish stamp known (what ``on_time`` is out of)
+    on_time: int = 0  # of those, answered within prio_realtime_target, publish to end of run (goodput)
     max_wait: float = 0.0
     head_wait: float | None = None  # wait of the last message taken from the head
     head_seen_at: float | None = None
@@ -71,8 +73,9 @@ class TierFigures:
 
 
 class WorkerStats:
-    def __init__(self) -> None:
+    def __init__(self, target: float | None = None) -> None:
         self.tiers = {t: TierFigures() for t in TIERS}
+        self.target = target  # realtime's latency target (prio_realtime_target): goodput counts against it
 
     def observe_fetch(self, tier: Tier, wait: float | None, promoted: bool, now: float) -> None:
         figures = self.tiers[tier]
@@ -91,9 +94,14 @@ class WorkerStats:
     def observe_boosted(self, tier: Tier) -> None:
         self.tiers[tier].boosted_seen += 1
 
-    def observe_run(self, tier: Tier, seconds: float) -> None:
-        self.tiers[tier].runtimes.append(seconds)
-        self.tiers[tier].run_hist.observe(seconds)
+    def observe_run(self, tier: Tier, seconds: float, waited: float | None = None) -> None:
+        """A run ended after ``seconds``, ``waited`` seconds after its publish (None: unknown)."""
+        figures = self.tiers[tier]
+        figures.runtimes.append(seconds)
+        figures.run_hist.observe(seconds)
+        if tier is Tier.REALTIME and waited is not None and self.target is not None:
+            figures.answered += 1
+            figures.on_time += max(0.0, waited) + seconds <= self.target
 
     def observe_batch(self, tier: Tier, size: int, failed: int) -> None:
         """A batch of ``size`` calls ran as one (``failed`` of them failed)."""
@@ -128,6 +136,8 @@ class WorkerStats:
             "promoted_seen": f.promoted_seen,
             "boosted_seen": f.boosted_seen,
             "expired": f.expired,
+            "answered": f.answered,
+            "on_time": f.on_time,
             "batches": None
             if not f.batch_hist.n
             else {

@@ -76,7 +76,7 @@ class WorkerRuntime:
             min_share=settings.min_share,
             idle_share=settings.idle_share,
         )
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(settings.realtime_target)
         self.loop = FetchLoop(
             self.source,
             self.scheduler,
@@ -202,6 +202,8 @@ class WorkerRuntime:
 
     def _batch_done(self, batch: BatchRun, failed: int) -> None:
         self.stats.observe_batch(batch.tier, len(batch.requests), failed)
+        queue = self.settings.subqueue_name(batch.tier, self.settings.sjf_subqueue(batch.task.name))
+        self.served.batch_ran(queue, len(batch.requests))
         self.slot_freed()
 
     def report(self) -> WorkerReport:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import amqp
+from amqp.exceptions import ChannelError
 
 from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
+from ...policy.admission import REFUSAL_COUNTERS
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
-from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, Take
+from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
+from .fleet_figures import TICK_INTERVAL, FleetFigures, declare_record_queue, read_fleet_record
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
 from .registry import Presence, RegistryFollower, existing_depths, serving_counts
@@ -307,6 +311,29 @@ class AmqpFetchSource(BrokerFetchSource):
             raise  # the consumer reconnects and starts again
         except Exception:
             logger.exception("celery-prio: %s", self.follower.problem)
+
+    def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
+        if all(budget is None for budget in self.settings.max_wait.values()):
+            return []
+        figures = FleetFigures(self.settings, self.served, lambda: self.slots)
+        return [Job(TICK_INTERVAL, lambda: figures.tick(self.channel.connection), "share admission figures")]
+
+    def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
+        """With the refusals the publishers counted, from the fleet's record (where a wait budget keeps one)."""
+        figures = super().broker_figures(now, idle)
+        if any(budget is not None for budget in self.settings.max_wait.values()):
+            probe = self.channel.connection.channel()  # an error reply closes this channel, not the fetch one
+            try:
+                declare_record_queue(probe, self.settings)
+                record = read_fleet_record(probe, self.settings)
+            except ChannelError:  # the record's queue unavailable (its node down on a cluster): no counts now
+                record = None
+            finally:
+                if probe.is_open:
+                    probe.close()
+            if record is not None:
+                figures.counters, figures.kept = record.counters, REFUSAL_COUNTERS
+        return figures
 
     def fleet_serving(self) -> dict[Tier, int] | None:
         return serving_counts(self.channel.connection, self.settings)

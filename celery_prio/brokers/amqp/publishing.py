@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from celery import Celery
     from kombu import Connection
 
+    from .admission import AmqpAdmission
     from .boost import AmqpBooster, RecentPublishes
     from .continuations import AmqpContinuations
 
@@ -127,12 +128,23 @@ class AmqpPublisher(Publisher):
         self.before_send()
         return AmqpBulkSession(self.app, connection, self.settings, tier, queue, self.refusal_figures)
 
+    @functools.cached_property
+    def admission(self) -> AmqpAdmission:
+        from .admission import AmqpAdmission
+
+        return AmqpAdmission(self.app)
+
+    def admit(self, tier: Tier, queue: str) -> None:
+        if self.settings.max_wait[tier] is not None:
+            self.admission.admit(self.settings, tier, queue)
+
     def refusal(self, tier: Tier, queue: str | None, exc: BaseException) -> QueueFull | None:
         from amqp.exceptions import MessageNacked
 
         seen = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, MessageNacked):
+                self.admission.count_rejected(self.settings, tier)
                 depth, rate = self.refusal_figures(tier, queue)
                 return QueueFull.from_drain_rate(tier, depth, rate)
             seen.add(id(exc))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...policy.admission import slot_share
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ...untrusted import decode_redis_element, enqueue_age
@@ -35,7 +36,7 @@ def slots_serving(client: Redis, settings: PrioSettings) -> dict[Tier, float]:
             concurrency = max(1, int(slots.get(worker, b"1")))
         except ValueError:  # anyone can write to Redis: an unreadable figure is one slot
             concurrency = 1
-        return concurrency * settings.weights[tier] / sum(settings.weights[t] for t in served)
+        return slot_share(concurrency, tier, served, settings.weights)
 
     return _per_live_worker(client, settings, share)
 

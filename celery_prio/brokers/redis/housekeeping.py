@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ...policy.admission import NEWS_INTERVAL, FleetRecord, has_news
 from ...policy.served import AGING_TIERS
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
@@ -34,6 +35,7 @@ SWEEP_INTERVAL = 1.0
 #: How often the housekeeper sums the live slots per tier for admission by predicted wait; the sum lives a few
 #: intervals (a housekeeper gone, publishes admit by cap alone until the next one writes it).
 ADMISSION_INTERVAL = 0.5
+SLOTS_INTERVAL = 0.1
 ADMISSION_TTL_MS = 3000
 ESTIMATES_INTERVAL = 0.5
 
@@ -62,6 +64,10 @@ class HousekeptSource(Protocol):
     channel: RedisChannel
 
 
+def _floats(estimates: Mapping[str, str]) -> dict[str, float]:
+    return {name: float(v) for name, v in estimates.items()}
+
+
 class RedisHousekeeping:
     """The jobs of one worker's fetch source (``source``: its channel, settings and names)."""
 
@@ -76,6 +82,9 @@ class RedisHousekeeping:
         self._rates_idle = False  # the last rates written were all zero (nothing to refresh while idle)
         self._estimates_written: dict[str, str] = {}
         self._estimates_read_at = float("-inf")
+        self._estimates_shared_at = float("-inf")
+        self._slots_shared: dict[Tier, float] = {}
+        self._slots_shared_at = float("-inf")
 
     @property
     def channel(self) -> RedisChannel:
@@ -92,7 +101,8 @@ class RedisHousekeeping:
             fleet.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
         admits = any(budget is not None for budget in self.settings.max_wait.values())
         if admits:
-            fleet.append(Job(ADMISSION_INTERVAL, self._share_slots, "sum the slots serving each tier (admission)"))
+            # Summed every SLOTS_INTERVAL (a cold fleet needs them from its first runs), written when they change.
+            fleet.append(Job(SLOTS_INTERVAL, self._share_slots, "sum the slots serving each tier (admission)"))
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
             # The housekeeper ages every tier, whatever its own -Q: offline ages into batch with no offline
             # worker at all.
@@ -101,8 +111,9 @@ class RedisHousekeeping:
         own = [
             Job(SWEEP_INTERVAL, self.source.settle_unsettled, "settle acks that failed while Redis was away"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
-            # Often where a wait budget reads them (a surge is refused from its first second), else as the rates.
-            Job(ESTIMATES_INTERVAL if admits else RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+            # Where a wait budget reads them: looked at every NEWS_INTERVAL, written then if a queue was measured
+            # for the first time or moved (a cold fleet learns from its first runs), else every ESTIMATES_INTERVAL.
+            Job(NEWS_INTERVAL if admits else RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
         return [*map(self._housekeeper_only, fleet), *own]
 
@@ -116,6 +127,10 @@ class RedisHousekeeping:
     def _share_slots(self) -> None:
         """The live slots serving each tier, for the publish script's predicted wait (``guarded_push.lua``)."""
         slots = figures.slots_serving(self.channel.client, self.settings)
+        now = time.monotonic()
+        if slots == self._slots_shared and now - self._slots_shared_at < ADMISSION_INTERVAL:
+            return
+        self._slots_shared, self._slots_shared_at = slots, now
         key = self.settings.admission_key
         pipe = self.channel.client.pipeline(transaction=True)
         pipe.hset(key, mapping={f"slots:{tier.label}": f"{count:.3f}" for tier, count in slots.items()})
@@ -189,14 +204,16 @@ class RedisHousekeeping:
         """
         key = self.settings.estimates_key
         states = [(name, state) for _, name, state in self.source.served.queue_states()]
-        mine = {name: f"{state.estimate:.6f}" for name, state in states if state.measured}
+        mine = {name: f"{each:.6f}" for name, each in self.source.served.per_call_estimates().items()}
         changed = {name: v for name, v in mine.items() if self._estimates_written.get(name) != v}
         client = self.channel.client
-        if changed:
+        now = time.monotonic()
+        news = has_news(FleetRecord(estimates=_floats(self._estimates_written)), FleetRecord(estimates=_floats(mine)))
+        if changed and (news or now - self._estimates_shared_at >= ESTIMATES_INTERVAL):
+            self._estimates_shared_at = now
             client.hset(key, mapping=changed)
             mention(client, self.settings, "estimates", list(changed))
             self._estimates_written.update(changed)
-        now = time.monotonic()
         if all(state.measured for _, state in states) or now - self._estimates_read_at < ESTIMATES_READ_INTERVAL:
             return
         self._estimates_read_at = now
