@@ -135,8 +135,8 @@ def test_the_estimate_follows_a_change_of_run_time(stock_env):
         result.get(timeout=30)
 
 
-def test_a_fleet_with_no_estimate_yet_admits_under_the_cap(redis_env):
-    env = redis_env
+def test_a_fleet_with_no_estimate_yet_admits_under_the_cap(stock_env):
+    env = stock_env
     env.configure(max_length={"realtime": 30})
     accepted, refused = _surge(env, 40, 0.1)  # no worker ever ran here: no estimate, no slots
     assert len(accepted) == 30

@@ -76,8 +76,9 @@ def test_backlogged_tiers_share_slot_time_by_weight_and_runs_are_repeatable():
 
 
 def test_admission_and_deadlines_are_modelled_as_the_surge_benchmark_measures_them():
-    """``bench --only surge`` at 1.5x on Redis measured 1,161 accepted, 1,307 refused, P99 129 ms, batch 7.9/s
-    (docs/runs/bench-surge.txt); the simulator stands for it within 10 %."""
+    """``bench --only surge`` at 1.5x on Redis measured 1,103 accepted, 1,365 refused, P99 142 ms, batch 7.6/s
+    (docs/runs/bench-surge.txt; 1,161, 1,307, 129 ms, 7.9/s the run before); the simulator stands for both
+    within 10 %."""
     spec = {
         "duration": 8,
         "concurrency": 4,
@@ -90,9 +91,9 @@ def test_admission_and_deadlines_are_modelled_as_the_surge_benchmark_measures_th
     out = simulate(Workload.from_spec(spec), load_settings({}))
     rt = out["realtime"]
     accepted = rt["arrived"] - rt["refused"]
-    assert accepted == pytest.approx(1161, rel=0.1) and rt["refused"] == pytest.approx(1307, rel=0.1), rt
+    assert accepted == pytest.approx(1103, rel=0.1) and rt["refused"] == pytest.approx(1365, rel=0.1), rt
     assert rt["latency_p99_ms"] <= 200 and rt["on_time"] == rt["completed"], rt
-    assert out["batch"]["completed_in_window"] / 8 == pytest.approx(7.9, rel=0.15)
+    assert out["batch"]["completed_in_window"] / 8 == pytest.approx(7.6, rel=0.15)
     # Without the budget everything is accepted; the deadline (1 s) then stops what waited past it.
     late = simulate(Workload.from_spec(spec), load_settings({}, {"max_wait": {"realtime": None}}))["realtime"]
     assert late["refused"] == 0 and late["expired"] > 500 and late["on_time"] < 100, late

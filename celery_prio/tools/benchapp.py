@@ -27,6 +27,8 @@ import celery_prio
 MODES = ("fifo", "native", "native_noprefetch", "prio", "batches")
 #: Batched inference in the benchmark (``--only batching``): as the example app's classify.
 BATCH = celery_prio.Batch(max_size=32, max_delay=0.005)
+#: What each call after the first adds to a batch of ``bench.work_batched``, as a share of one call's time.
+BATCH_CALL_COST = 0.1
 # Broker-native priority values per tier. RabbitMQ: higher is more urgent;
 # kombu's Redis emulation polls priority 0 first, so lower is more urgent.
 NATIVE_PRIORITY = {
@@ -121,6 +123,16 @@ def make_app(
         labels = [p["label"] for p in predict.classify_calls([c.args[2] for c in calls])]
         record_calls([(c.args[0], c.args[1], start) for c in calls])
         return labels
+
+    @app.task(shared=False, name="bench.work_batched", tier="realtime", batch=BATCH)
+    def work_batched(calls: list) -> list:
+        """Realtime calls of ``seconds`` each, batched (``--only surge``): a batch of n runs as a GPU batch
+        would, the first call's time and a tenth of it for each call more."""
+        start = time.time()
+        seconds = max(float(c.args[2]) for c in calls)
+        time.sleep(seconds * (1 + BATCH_CALL_COST * (len(calls) - 1)))
+        record_calls([(c.args[0], c.args[1], start) for c in calls])
+        return [None] * len(calls)
 
     if mode == "batches" and has_celery_batches():  # the worker's side (its own virtualenv, --batches-python)
         from celery_batches import Batches

@@ -3,7 +3,8 @@ to a batch backlog, with defaults and no warm-up; broker-native priority vs cele
 
 Per setup: calls offered, accepted, refused (429) and how fast a refusal returns, accepted P50/P99 (publish to
 done), goodput (answered within the 200 ms target) against what the slots can serve in the window, accepted
-calls not answered (expired past their deadline, or still waiting at the cut-off), and batch throughput.
+calls not answered (expired past their deadline, or still waiting at the cut-off), and batch throughput. The same
+calls to a batched realtime task (``celery_prio.Batch``) make one more celery-prio row per surge.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ def run_surge(
     batch_backlog: int = 300,
     batch_seconds: float = 0.1,
     grace: float = 3.0,
+    batched: bool = False,
     **app_options: Any,
 ) -> dict[str, Any]:
+    """One setup's surge. ``batched``: the realtime calls go to ``bench.work_batched`` (``celery_prio.Batch``),
+    whose calls admission counts at their share of a batch run."""
     run = Run(mode, broker, logdir, concurrency, **app_options)
     run.raise_refusals = True  # counted here, with how fast each came back
     try:
@@ -51,7 +55,12 @@ def run_surge(
             offered += 1
             started = time.perf_counter()
             try:
-                run.publish("realtime", rt_seconds)
+                if batched:
+                    run.publish_task(
+                        run.app.tasks["bench.work_batched"], ("realtime", time.time(), rt_seconds), "realtime"
+                    )
+                else:
+                    run.publish("realtime", rt_seconds)
             except QueueFull:
                 refused += 1
                 refusal_s.append(time.perf_counter() - started)
@@ -95,9 +104,12 @@ def bench_surge(broker: str, logdir: Path, duration: float = 8.0, out=print) -> 
     setups: dict[str, tuple[str, dict[str, Any]]] = {"native": ("native", {}), "prio": ("prio", {})}
     if kind == "amqp":  # RabbitMQ as the stock image runs it: no management plugin (a closed port here)
         setups["prio (no management API)"] = ("prio", {"management_url": f"http://127.0.0.1:{free_port()}"})
+    no_management = setups.get("prio (no management API)", ("prio", {}))[1]
     results: dict[str, Any] = {}
     for factor in (1.5, 3.0):
         rows = {name: run_surge(mode, broker, logdir, factor, duration, **o) for name, (mode, o) in setups.items()}
+        # The same calls to a batched task (``celery_prio.Batch``, 32 at most): counted at their share of a run.
+        rows["prio, batched task"] = run_surge("prio", broker, logdir, factor, duration, batched=True, **no_management)
         results[f"{factor}x"] = rows
         out(f"surge {factor}x of the slots ({kind}, {duration:.0f} s, defaults, cold, tier per call):")
         for name, row in rows.items():
