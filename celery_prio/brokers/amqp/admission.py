@@ -88,9 +88,6 @@ class AmqpAdmission:
         budget = settings.max_wait[tier]
         if budget is None:
             return
-        names = list(
-            dict.fromkeys(n for n in (settings.queue_name(tier), settings.front_lanes().get(tier), queue) if n)
-        )
         with self._lock:
             self._settings = settings
             self._after_fork()
@@ -102,7 +99,7 @@ class AmqpAdmission:
                 slots = 0.0 if record is None else record.slots.get(tier, 0.0)
                 if slots <= 0:
                     return  # nothing measured or no live worker known: the cap alone
-                backlog = self._backlog(queue, names, record, now)
+                backlog = self._backlog(settings, tier, queue, record, now)
             except Exception as exc:  # a reading must never fail a publish: the cap still bounds the tier
                 self._lost(exc)
                 return
@@ -110,7 +107,7 @@ class AmqpAdmission:
             refused = wait > budget
             if refused:
                 self.refused += 1
-                self._tally[f"refused_wait:{tier.label}"] = self._tally.get(f"refused_wait:{tier.label}", 0) + 1
+                self._count(f"refused_wait:{tier.label}")
             else:
                 backlog.work += record.estimates.get(queue) or 0.0  # waits there until the next reading
                 backlog.admitted += 1
@@ -123,8 +120,11 @@ class AmqpAdmission:
         with self._lock:
             self._settings = settings
             self._after_fork()
-            self._tally[f"rejected:{tier.label}"] = self._tally.get(f"rejected:{tier.label}", 0) + 1
+            self._count(f"rejected:{tier.label}")
             self._send_tally(time.monotonic())
+
+    def _count(self, counter: str) -> None:
+        self._tally[counter] = self._tally.get(counter, 0) + 1
 
     def _send_tally(self, now: float) -> None:
         """This process's refusals since it last sent them, to the housekeeper (at most every ``TALLY_EVERY``;
@@ -168,12 +168,14 @@ class AmqpAdmission:
         self._record, self._record_at = record, now
         return record
 
-    def _backlog(self, queue: str, names: list[str], record: FleetRecord, now: float) -> Backlog:
-        """The work ahead of a call to ``queue``: read again (one passive declare per name) when
-        ``DEPTH_FRESH`` old."""
+    def _backlog(self, settings: PrioSettings, tier: Tier, queue: str, record: FleetRecord, now: float) -> Backlog:
+        """The work ahead of a call to ``queue`` of ``tier``: read again (a passive declare of the tier's queue,
+        its front lane and ``queue``) when ``DEPTH_FRESH`` old; in between, no broker call and no name built."""
         backlog = self._backlogs.get(queue)
         if backlog is not None and now - backlog.read_at < DEPTH_FRESH:
             return backlog
+        lane = settings.front_lanes().get(tier)
+        names = list(dict.fromkeys(n for n in (settings.queue_name(tier), lane, queue) if n))
         depths = [self._depth(name) for name in names]
         work = sum(d * (record.estimates.get(n) or 0.0) for n, d in zip(names, depths, strict=True))
         backlog = self._backlogs[queue] = Backlog(now, sum(depths), work, now)

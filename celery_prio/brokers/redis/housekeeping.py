@@ -64,8 +64,9 @@ class HousekeptSource(Protocol):
     channel: RedisChannel
 
 
-def _floats(estimates: Mapping[str, str]) -> dict[str, float]:
-    return {name: float(v) for name, v in estimates.items()}
+def _record(estimates: Mapping[str, str]) -> FleetRecord:
+    """Written estimates (their text) as a record, for ``has_news``."""
+    return FleetRecord(estimates={name: float(v) for name, v in estimates.items()})
 
 
 class RedisHousekeeping:
@@ -208,8 +209,9 @@ class RedisHousekeeping:
         changed = {name: v for name, v in mine.items() if self._estimates_written.get(name) != v}
         client = self.channel.client
         now = time.monotonic()
-        news = has_news(FleetRecord(estimates=_floats(self._estimates_written)), FleetRecord(estimates=_floats(mine)))
-        if changed and (news or now - self._estimates_shared_at >= ESTIMATES_INTERVAL):
+        due = now - self._estimates_shared_at >= ESTIMATES_INTERVAL
+        # News is looked for only when something changed before it is due (not on every idle tick).
+        if changed and (due or has_news(_record(self._estimates_written), _record(mine))):
             self._estimates_shared_at = now
             client.hset(key, mapping=changed)
             mention(client, self.settings, "estimates", list(changed))
