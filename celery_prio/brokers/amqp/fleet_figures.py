@@ -141,8 +141,9 @@ class FleetFigures:
             logger.warning("celery-prio: admission figures not shared for %g s: %r", PAUSE_AFTER_ERROR, exc)
 
     def _tick(self, connection: AmqpConnection, now: float) -> None:
-        if connection is not self._connection or self._channel is None or not self._channel.is_open:
-            self._connection, self.housekeeper, self._retry_at = connection, False, 0.0
+        if connection is not self._connection:  # a new connection: a lease held on the old one ended with it
+            self._connection, self.housekeeper, self._retry_at, self._channel = connection, False, 0.0, None
+        if self._channel is None or not self._channel.is_open:  # the lease (its own channel) is still held
             self._channel = connection.channel()
             declare_record_queue(self._channel, self.settings)
             self._sent = None
