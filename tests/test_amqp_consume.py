@@ -208,7 +208,7 @@ def test_stop_gives_back_what_it_holds(amqp_env):
         assert env.depth(R) == 1 and env.depth(B) == 1  # no consumer left to push them again
 
 
-def test_sub_queues_are_still_asked_by_basic_get_in_tier_order(amqp_env):
+def test_sub_queues_are_pushed_too_and_taken_in_tier_order(amqp_env):
     env = amqp_env
     with push_source(env, free=1) as (source, conn):
         prio = settings_for(env.app)
@@ -216,17 +216,20 @@ def test_sub_queues_are_still_asked_by_basic_get_in_tier_order(amqp_env):
         source.prepare_subqueues([sub])
         source.served.set_discovered([sub])
         assert source.take(ORDER).message is None
+        assert sub in source.pushed  # a declared sub-queue is pushed: no basic_get per fetch for it
         sleep = env.app.tasks["t.sleep"]
-        sleep.apply_async(("acme", 0), tier="batch", subqueue="acme")
         sleep.apply_async(("o", 0), tier="offline")
-        pump_until(conn, lambda: source.held == 1)  # offline's is pushed; acme's waits in its sub-queue
-        time.sleep(prio.poll_interval)  # past the re-ask interval of queues found empty
+        sleep.apply_async(("acme", 0), tier="batch", subqueue="acme")
+        pump_until(conn, lambda: source.held == 2)
+        calls = source.broker_calls
         take = source.take(ORDER)
         assert (take.tier, take.queue, take.message.payload[0][0]) == (B, sub, "acme")  # batch before offline
         take.message.ack()
         take = source.take(ORDER)
         assert (take.tier, take.message.payload[0][0]) == (O, "o")
         take.message.ack()
+        # Both from the hand; at most batch's queue asked once (its next message may have been on its way).
+        assert source.broker_calls <= calls + 1
 
 
 def test_consume_mode_refuses_quorum_queues_and_bad_values():
@@ -236,7 +239,8 @@ def test_consume_mode_refuses_quorum_queues_and_bad_values():
         load_settings({"prio_fetch": "push"})
     with pytest.raises(ConfigError, match=r"prio_hold_max must be a number > 0"):
         load_settings({"prio_hold_max": 0})
-    assert load_settings({}).fetch == "get"  # the default holds nothing
+    assert load_settings({}).fetch == "consume"  # push by default on classic queues
+    assert load_settings({"prio_queue_type": "quorum"}).fetch == "get"  # a give-back would count on quorum queues
 
 
 # -- real workers fetching by push: the scenarios of test_worker.py ------------------------------------------

@@ -218,10 +218,12 @@ class BrokerFetchSource(FetchSource[Message]):
 
     def served_depths(self) -> dict[Tier, int]:
         """Messages waiting per tier in the queues this worker serves (front lanes included)."""
-        out: dict[Tier, int] = {}
-        for tier in self.served.tiers:
-            names = [c.name for c in self.served.candidates(tier)][: self.DEPTH_QUEUES_PER_TIER]
-            out[tier] = sum(self.queue_depths(names))
+        asked = [
+            (t, c.name) for t in self.served.tiers for c in self.served.candidates(t)[: self.DEPTH_QUEUES_PER_TIER]
+        ]
+        out: dict[Tier, int] = dict.fromkeys(self.served.tiers, 0)
+        for (tier, _), depth in zip(asked, self.queue_depths([name for _, name in asked]), strict=True):
+            out[tier] += depth  # one read for every tier: one probe, not one per tier
         return out
 
 

@@ -182,7 +182,9 @@ def _rabbitmq(raw: Raw, conf: Mapping[str, object]) -> dict[str, Any]:
             f"or None, got {management_url!r}"
         )
     queue_type = checks.queue_type(raw["queue_type"], conf)
-    fetch = checks.choice("fetch", raw["fetch"], FETCH_MODES)
+    # Push by default; quorum queues poll (a message a worker gives back counts toward their delivery limit).
+    default_fetch = "get" if queue_type == "quorum" else "consume"
+    fetch = default_fetch if raw["fetch"] is None else checks.choice("fetch", raw["fetch"], FETCH_MODES)
     if fetch == "consume" and queue_type == "quorum":
         raise ConfigError(
             "prio_fetch='consume' needs classic queues: it gives a message held past prio_hold_max back with "

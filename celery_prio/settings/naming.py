@@ -74,6 +74,16 @@ class QueueNames:
         return f"{self.queue_prefix}.housekeeper"
 
     @property
+    def ready_key(self) -> str:
+        """Redis set: the tier lists, front lanes and sub-queue lists that hold work (``lua/mark_ready.lua``)."""
+        return f"{self.queue_prefix}.ready"
+
+    def is_indexed(self, queue: str) -> bool:
+        """A tier queue, front lane or sub-queue: only celery-prio's scripts push to its lists, so a fetch asks
+        it only while the ready index holds it (Redis). Other queues (the app's own, legacy) are always asked."""
+        return any(queue == (name := self.queue_name(t)) or queue.startswith(name + ".") for t in TIERS)
+
+    @property
     def owners_key(self) -> str:
         """Redis hash: delivery tag -> the worker that fetched it (``worker|tier|fetched at``)."""
         return f"{self.queue_prefix}.owners"

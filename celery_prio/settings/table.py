@@ -192,12 +192,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "fetch",
-        "get",
+        None,
         RABBITMQ,
-        'RabbitMQ: how a worker fetches its tier queues and front lanes. `"get"`: one `basic_get` per task, '
-        'nothing held that another worker could run. `"consume"`: pushed to consumers of prefetch 1, no more than '
-        "the worker's free slots (one at least) per queue in hand, each for at most `prio_hold_max`; classic "
-        "queues only. Redis ignores it",
+        'RabbitMQ: how a worker fetches its queues. `"consume"`: pushed to consumers of prefetch 1 (tier queues, '
+        "front lanes, sub-queues), no more than the worker's free slots (one at least) per queue in hand, each for "
+        'at most `prio_hold_max`; classic queues only. `"get"`: one `basic_get` per task, nothing held that '
+        "another worker could run, a round trip per fetch and per empty queue asked. Redis ignores it",
+        shown='None ("consume" on classic queues, "get" on quorum queues)',
     ),
     Setting(
         "hold_max",

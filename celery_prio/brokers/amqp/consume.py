@@ -1,8 +1,12 @@
-"""RabbitMQ fetch by push (``prio_fetch = "consume"``): consumers of prefetch 1 instead of a ``basic_get`` per task.
+"""RabbitMQ fetch by push (``prio_fetch = "consume"``, the default on classic queues): consumers of prefetch 1
+instead of a ``basic_get`` per task.
 
-``basic_get`` costs a blocking round trip per task and RabbitMQ more work
-than a delivery. Here the tier queues and front lanes a worker serves are
-pushed to it, and the scheduler still picks among tiers:
+``basic_get`` costs a blocking round trip per task, and a busy worker asks
+every queue it found empty again on each fetch: RabbitMQ pays for a ``get``
+per queue per task (a busy fleet cost it 5x plain Celery). Here every queue
+a worker serves and knows to exist (tier queues, front lanes, sub-queues,
+up to ``PUSH_MAX``) is pushed to it: an empty queue's consumer costs nothing,
+and the scheduler still picks among tiers:
 
 * **Prefetch 1 per consumer.** RabbitMQ pushes a consumer its next message
   once Celery acks the last one, which for most tasks happens as they start.
@@ -17,8 +21,9 @@ pushed to it, and the scheduler still picks among tiers:
   one. Consumers are cancelled only when they outnumber the free slots: a
   consumer per message costs RabbitMQ ~100 µs more per message (measured).
 * **In hand** are messages delivered but not yet given to Celery. A fetch takes
-  from the hand in the scheduler's order, with no broker call. Sub-queues and
-  other queues are still asked with ``basic_get``, in that same order. So is
+  from the hand in the scheduler's order, with no broker call. Queues not
+  pushed (past ``PUSH_MAX``, or not known to exist) are still asked with
+  ``basic_get``, in that same order. So is
   a pushed queue ahead of the message in hand whose next message may still
   be on its way; otherwise a lower tier's message would take the slot.
 * **Given back.** A message left in hand for ``prio_hold_max`` seconds goes
@@ -52,6 +57,9 @@ if TYPE_CHECKING:
     from celery import Celery
 
 logger = logging.getLogger(__name__)
+
+#: Queues one worker keeps consumers on at most (in asking order); more are asked by ``basic_get``.
+PUSH_MAX = 1024
 
 
 class AmqpConsumeSource(AmqpFetchSource):
@@ -93,8 +101,14 @@ class AmqpConsumeSource(AmqpFetchSource):
         if self._synced == self.served.version:
             return
         self._synced = self.served.version
-        tier_queues = {self.settings.queue_name(t) for t in self.served.tiers} | set(self.served.promoted.values())
-        wanted = {n for n in self.served.all_names() if n in tier_queues}
+        # Every queue known to exist is pushed (a missing one would close the channel): tier queues, front
+        # lanes, and the sub-queues declared here. An empty queue's consumer costs RabbitMQ nothing; polling it
+        # would cost a ``basic_get`` per fetch. Past ``PUSH_MAX`` the rest are asked by ``basic_get``.
+        known = {self.settings.queue_name(t) for t in self.served.tiers} | set(self.served.promoted.values())
+        known |= self._declared
+        wanted = {n for n in self.served.all_names() if n in known}
+        if len(wanted) > PUSH_MAX:
+            wanted = set([n for n in self.served.all_names() if n in wanted][:PUSH_MAX])
         for name in self.pushed - wanted:
             self._drop(name)
         for name in sorted(wanted - self.pushed):
@@ -171,6 +185,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Consuming a queue that is gone would close the channel: ask it with basic_get from now on.
             logger.warning("celery-prio: RabbitMQ cancelled a consumer of %s; fetching it by basic_get", name)
             self._drop(name)
+            self._declared.discard(name)  # not pushed again unless declared again
+            self.on_arrival()  # an idle loop waits on pushes: look again
 
     # -- fetching ----------------------------------------------------------------
     def take(self, order: list[Tier]) -> Take:
@@ -207,6 +223,15 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Nothing lower in hand would take the slot meanwhile: wait for the push instead of asking.
             plan = [(tier, name) for tier, name in plan if name not in pending]
         found, asked = self._first_found(plan, now)
+        if found is None:
+            # py-amqp reads deliveries while it waits for a get's answer: a pushed queue asked because its next
+            # message was on its way may have it in hand now, and it comes before whatever was held.
+            arrived = next(((t, n) for t, n in plan if n in self.pushed and self._hand[n]), None)
+            if arrived is not None:
+                held = arrived
+        # A pushed queue whose next message may be on its way is not known to be empty: not reported as looked
+        # at (shortest-first would otherwise reset its wait, and a long task pushed late would wait for good).
+        asked = [tq for tq in asked if tq[1] not in pending]
         if found is None and held is not None:
             tier, name = held
             raw, _, tag = self._hand[name].popleft()
@@ -225,8 +250,9 @@ class AmqpConsumeSource(AmqpFetchSource):
         return take
 
     def wait_for_work(self, order: list[Tier]) -> bool:
-        """Its tier queues and front lanes are pushed already; its sub-queues are polled as before."""
-        return False
+        """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll). Otherwise (more queues
+        than ``PUSH_MAX``, or one not known to exist) the loop polls, as it does for ``basic_get``."""
+        return all(name in self.pushed for name in self._queues_of(order))
 
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:

@@ -19,7 +19,7 @@ from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFi
 from .fleet_figures import TICK_INTERVAL, FleetFigures, declare_record_queue, read_fleet_record
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
-from .registry import Presence, RegistryFollower, existing_depths, serving_counts
+from .registry import Presence, ProbeChannel, RegistryFollower, existing_depths, serving_counts
 from .topology import declare_subqueue, declare_tier_queues, quorum_arguments
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class AmqpFetchSource(BrokerFetchSource):
         self.idle = None if quorum else IdleWait(lambda: self.on_arrival(), lambda: self.free_slots() > 0)
         self._hub: Any = None
         self._recheck: Any = None  # the idle safety net's timer
+        self._probe = ProbeChannel()  # depth reads, kept open
 
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
@@ -322,15 +323,12 @@ class AmqpFetchSource(BrokerFetchSource):
         """With the refusals the publishers counted, from the fleet's record (where a wait budget keeps one)."""
         figures = super().broker_figures(now, idle)
         if any(budget is not None for budget in self.settings.max_wait.values()):
-            probe = self.channel.connection.channel()  # an error reply closes this channel, not the fetch one
+            probe = self._probe.get(self.channel.connection)  # an error reply closes it, not the fetch channel
             try:
                 declare_record_queue(probe, self.settings)
                 record = read_fleet_record(probe, self.settings)
             except ChannelError:  # the record's queue unavailable (its node down on a cluster): no counts now
                 record = None
-            finally:
-                if probe.is_open:
-                    probe.close()
             if record is not None:
                 figures.counters, figures.kept = record.counters, REFUSAL_COUNTERS
         return figures
@@ -423,7 +421,7 @@ class AmqpFetchSource(BrokerFetchSource):
 
     def queue_depths(self, names: list[str]) -> list[int]:
         # On a probe channel: a queue deleted since it was found closes that channel, not the fetch channel.
-        return existing_depths(self.channel.connection, names)
+        return existing_depths(self.channel.connection, names, self._probe)
 
     def dead_letter(self, message: Message, reason: str, tier: Tier) -> None:
         self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)

@@ -260,22 +260,42 @@ class Presence:
         return set(self._tags)
 
 
-def passive_declares(connection: AmqpConnection, names: list[str]) -> list[Any]:
+def passive_declares(connection: AmqpConnection, names: list[str], probe: ProbeChannel | None = None) -> list[Any]:
     """RabbitMQ's declare-ok of each of ``names`` (its message and consumer counts), None for one that does not
-    exist. On a probe channel of its own: a passive declare of a missing queue closes its channel."""
-    out = []
-    probe = connection.channel()
+    exist. On a probe channel of its own (``probe``'s, kept open between calls, where given): a passive declare
+    of a missing queue closes its channel."""
+    own = probe or ProbeChannel()
     try:
-        for name in names:
-            try:
-                out.append(probe.queue_declare(queue=name, passive=True))
-            except NotFound:
-                out.append(None)
-                probe = connection.channel()
+        return [own.declare(connection, name) for name in names]
     finally:
-        if probe.is_open:
-            probe.close()
-    return out
+        if probe is None:
+            own.close()
+
+
+class ProbeChannel:
+    """A channel for passive declares, kept open across calls (a worker reads depths every few seconds:
+    opening and closing a channel each time would cost RabbitMQ more than the declares themselves)."""
+
+    def __init__(self) -> None:
+        self.channel: Any = None
+
+    def get(self, connection: AmqpConnection) -> Any:
+        """The open probe channel on ``connection`` (a new one after an error reply closed the last)."""
+        if self.channel is None or not self.channel.is_open or self.channel.connection is not connection:
+            self.channel = connection.channel()
+        return self.channel
+
+    def declare(self, connection: AmqpConnection, name: str) -> Any:
+        try:
+            return self.get(connection).queue_declare(queue=name, passive=True)
+        except NotFound:
+            self.channel = None  # RabbitMQ closed it
+            return None
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None and channel.is_open:
+            channel.close()
 
 
 def serving_counts(connection: AmqpConnection, settings: PrioSettings) -> dict[Tier, int]:
@@ -284,6 +304,6 @@ def serving_counts(connection: AmqpConnection, settings: PrioSettings) -> dict[T
     return {tier: int(ok.consumer_count) if ok else 0 for tier, ok in zip(TIERS, found, strict=True)}
 
 
-def existing_depths(connection: AmqpConnection, names: list[str]) -> list[int]:
+def existing_depths(connection: AmqpConnection, names: list[str], probe: ProbeChannel | None = None) -> list[int]:
     """Messages ready in each of ``names`` (0 for one that does not exist)."""
-    return [int(ok.message_count) if ok else 0 for ok in passive_declares(connection, names)]
+    return [int(ok.message_count) if ok else 0 for ok in passive_declares(connection, names, probe)]

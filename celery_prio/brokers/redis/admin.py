@@ -84,7 +84,8 @@ class RedisAdapter(Broker):
             chunk = min(REQUEUE_CHUNK, to_look)
             want = REQUEUE_CHUNK if limit is None else limit - moved
             m, left, s, looked, full = (
-                int(x) for x in requeue(keys=[settings.dead_letter_queue], args=[want, chunk, *caps])
+                int(x)
+                for x in requeue(keys=[settings.dead_letter_queue, settings.ready_key], args=[want, chunk, *caps])
             )
             moved, skipped, to_look = moved + m, skipped + s, to_look - looked
             if full or looked == 0:

@@ -75,7 +75,14 @@ class RedisAging:
             n = len(plan.originals)
             done = int(
                 self._promote(
-                    keys=[source, promoted, upper, settings.stats_key, settings.bell_key(tier.promoted())],
+                    keys=[
+                        source,
+                        promoted,
+                        upper,
+                        settings.stats_key,
+                        settings.bell_key(tier.promoted()),
+                        settings.ready_key,
+                    ],
                     args=[-1 if cap is None else cap, tier.label, n, *plan.originals, *plan.rewritten],
                 )
             )

@@ -85,7 +85,10 @@ class RedisBooster(Booster):
             move = self._script(client, BOOST_MOVE)
             cap, tier_list = settings.max_length[tier], settings.queue_name(tier)
             moved = move(
-                keys=[queue, lane, settings.stats_key, settings.bell_key(tier), tier_list, settings.subqueue_registry],
+                keys=[
+                    *(queue, lane, settings.stats_key, settings.bell_key(tier), tier_list),
+                    *(settings.subqueue_registry, settings.ready_key),
+                ],
                 args=[raw, rewritten, from_tier.label, -1 if cap is None else cap, tier_list + "."],
                 client=client,
             )

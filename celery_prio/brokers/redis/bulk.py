@@ -43,6 +43,7 @@ class RedisBulkSession(BulkSession):
                 self.settings.dead_letter_queue,
                 self.settings.stats_key,
                 self.settings.bell_key(self.tier),
+                self.settings.ready_key,
             ],
             args=[
                 -1 if self.cap is None else self.cap,

@@ -67,6 +67,8 @@ class RedisFetchSource(BrokerFetchSource):
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
         # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
+        self._indexed: dict[str, bool] = {}  # list key -> covered by the ready index (``_mask``)
+        self._full_at = float("-inf")  # the last fetch that asked every list (``take``)
 
     def attach_loop(self, hub: Hub) -> None:
         self.doorbell = Doorbell(
@@ -115,6 +117,12 @@ class RedisFetchSource(BrokerFetchSource):
                     owners.append(candidate)
         self.broker_calls += 1
         hit = self.fetch(keys, [c.tier for c in owners])
+        if hit is None and time.monotonic() - self._full_at >= FULL_ASK_INTERVAL:
+            # The index found nothing: once a second at most, every list is asked (and the index mended), so a
+            # writer that does not know the index (an older producer, a plain kombu client) is seen here too.
+            self._full_at = time.monotonic()
+            self.broker_calls += 1
+            hit = self.fetch(keys, [c.tier for c in owners], full=True)
         if hit is None:
             if not quiet:  # every list of these tiers asked and found empty, as served now
                 seen = self._found_empty[1] if self._found_empty[0] == version else frozenset()
@@ -161,7 +169,7 @@ class RedisFetchSource(BrokerFetchSource):
             if not found:
                 self.on_arrival()
 
-    def fetch(self, keys: list[str], tiers: list[Tier]) -> tuple[int, Message | None] | None:
+    def fetch(self, keys: list[str], tiers: list[Tier], full: bool = False) -> tuple[int, Message | None] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
 
         ``(index, None)`` means elements were dead-lettered and nothing is
@@ -169,7 +177,7 @@ class RedisFetchSource(BrokerFetchSource):
         """
         if UNSETTLED:  # an ack refused a moment ago (a failover, no reconnect since): settled first
             self.settle_unsettled()
-        hit = self._fetch(keys, tiers)
+        hit = self._fetch(keys, tiers, full=full)
         if hit is None:
             return None
         position, messages = hit
@@ -192,7 +200,7 @@ class RedisFetchSource(BrokerFetchSource):
         return out
 
     def _fetch(
-        self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True
+        self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True, full: bool = False
     ) -> tuple[int, list[Message]] | None:
         """``(index into keys, the kombu Messages taken from it)``; dead-lettered ones are left out (``(-1, [])``
         when the script moved only malformed elements aside); None when every key was empty."""
@@ -206,10 +214,12 @@ class RedisFetchSource(BrokerFetchSource):
                 self.settings.stats_key,
                 self.settings.owners_key,
                 self.settings.subqueue_registry_version,
+                self.settings.ready_key,
                 # Silenced when all is empty (a batch's top-up leaves them: it asks one queue only).
                 *((self.settings.bell_key(t) for t in dict.fromkeys(tiers)) if bells else ()),
             ],
-            args=[time.time(), count, task, self.worker_name, *(t.label for t in tiers)],
+            args=[time.time(), count, task, self.worker_name, "".join(self._mask(key, full) for key in keys)]
+            + [t.label for t in tiers],
             client=channel.client,
         )
         position, version = int(reply[0]) - 1, reply[1]
@@ -225,6 +235,15 @@ class RedisFetchSource(BrokerFetchSource):
             if message is not None:
                 messages.append(message)
         return position, messages
+
+    def _mask(self, key: str, full: bool) -> str:
+        """'1' for a list the ready index covers (asked only while indexed), '0' for one always asked, '2' for an
+        indexed list asked anyway (``full``: its index entry mended)."""
+        indexed = self._indexed.get(key)
+        if indexed is None:
+            queue = key.split(self.channel.sep, 1)[0]  # kombu's priority lists: "<queue><sep><priority>"
+            indexed = self._indexed[key] = self.settings.is_indexed(queue)
+        return ("2" if full else "1") if indexed else "0"
 
     def _message(self, raw: bytes, tag: str, tier: Tier, queue: str) -> Message | None:
         """kombu's Message for an element the script took; one Python cannot read goes to the dead letters."""
@@ -409,11 +428,22 @@ class RedisFetchSource(BrokerFetchSource):
         )
 
     def queue_depths(self, names: list[str]) -> list[int]:
-        pipe = self.channel.client.pipeline(transaction=False)
-        for name in names:
+        """``LLEN`` of each, but only of lists the ready index holds (or does not cover): a busy worker's
+        report asks its dozens of empty lists nothing."""
+        client = self.channel.client
+        indexed = [name for name in names if self.settings.is_indexed(name)]
+        ready = dict(zip(indexed, client.smismember(self.settings.ready_key, indexed), strict=True)) if indexed else {}
+        asked = [name for name in names if ready.get(name, True)]
+        pipe = client.pipeline(transaction=False)
+        for name in asked:
             pipe.llen(name)
-        return [int(n) for n in pipe.execute()]
+        depth = dict(zip(asked, (int(n) for n in pipe.execute()), strict=True))
+        return [depth.get(name, 0) for name in names]
 
+
+#: Seconds between a worker's full asks (every list it serves, the ready index mended): only when the index
+#: found nothing, so a busy worker never makes one.
+FULL_ASK_INTERVAL = 1.0
 
 #: The end of an unacked entry as the fetch script (``[raw,"",queue]``) or kombu (``[raw, "", queue]``) writes it.
 _ENTRY_TAIL = re.compile(rb',\s*"(?:[^"\\]|\\.)*",\s*"((?:[^"\\]|\\.)*)"\]\s*$')

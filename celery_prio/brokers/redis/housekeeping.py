@@ -17,6 +17,7 @@ from ..shared import as_text
 from . import figures
 from .aging import RedisAging
 from .pruning import PRUNE_INTERVAL, mention, prune
+from .ready import HEAL_INTERVAL, ReadyHeal
 from .scripts import SWEEP_DEAD_OWNERS, TRIM_DEAD
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class RedisHousekeeping:
         self._rate_mark: tuple[float, dict[Tier, int]] | None = None
         self._rates_idle = False  # the last rates written were all zero (nothing to refresh while idle)
         self._estimates_written: dict[str, str] = {}
+        self.ready_heal = ReadyHeal(self.settings)
         self._estimates_read_at = float("-inf")
         self._estimates_shared_at = float("-inf")
         self._slots_shared: dict[Tier, float] = {}
@@ -97,6 +99,7 @@ class RedisHousekeeping:
         fleet = [
             Job(SWEEP_INTERVAL, self._return_dead_owners_messages, "return the messages of workers that are gone"),
             Job(PRUNE_INTERVAL, self._prune, "prune workers, estimates and sub-queues unheard of"),
+            Job(HEAL_INTERVAL, self._heal_ready, "put lists with work back into the ready index"),
         ]
         if self.settings.dead_letter_max is not None:
             fleet.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
@@ -178,6 +181,16 @@ class RedisHousekeeping:
             logger.warning("celery-prio: returned %d message(s) of workers that are gone to their queues", returned)
             self.returned += returned
             self.source.ring(TIERS, returned)
+
+    def _heal_ready(self) -> None:
+        missing = self.ready_heal.run(self.channel)
+        if missing:
+            logger.info(
+                "celery-prio: %d list(s) with work were missing from %s: a producer that does not keep it "
+                "(an older celery-prio, a plain kombu client) published to them; they are served again",
+                missing,
+                self.settings.ready_key,
+            )
 
     def _prune(self) -> None:
         gone = prune(self.channel.client, self.settings, self.worker_name)

@@ -85,6 +85,7 @@ class RedisPublisher(Publisher):
         options["prio_dead_queue"] = settings.dead_letter_queue
         options["prio_stats_key"] = settings.stats_key
         options["prio_owners_key"] = settings.owners_key
+        options["prio_ready_key"] = settings.ready_key  # lists with work: a fetch asks only those
         options["prio_wait_replicas"] = settings.wait_replicas
         # This app's in-flight messages in keys of its own: kombu's visibility-timeout restore (which
         # every Redis worker runs) then scans only them, never another app's messages in the same db.

@@ -135,7 +135,9 @@ class Channel(kombu_redis.Channel):
             bell = bell_of(self.connection.client.transport_options, queue)
             with self.conn_or_acquire() as client:
                 pipe = client.pipeline(transaction=True)
-                pipe.lpush(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), dumps(message))
+                target = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+                pipe.lpush(target, dumps(message))
+                self._mark_ready(pipe.sadd, queue, target)
                 pipe.set(key, generation, ex=ttl)
                 if bell:  # the continuation's tier: an idle worker takes it at once
                     pipe.lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1)
@@ -151,6 +153,11 @@ class Channel(kombu_redis.Channel):
         if batch is not None and cap < 0 and wait_rule is None:
             # Uncapped: kombu's batching keeps pipelining it, and the tier's doorbell rings in the same pipeline.
             super()._put(queue, message, **kwargs)
+            self._mark_ready(
+                lambda index, key: batch.add("sadd", index, key),
+                queue,
+                self._q_for_pri(queue, self._get_message_priority(message, reverse=False)),
+            )
             bell = bell_key(options, tier)
             if bell:
                 batch.add("lpush", bell, 1)
@@ -178,6 +185,7 @@ class Channel(kombu_redis.Channel):
                     options.get("prio_admission_key", ""),
                     options.get("prio_registry_key", ""),
                     options.get("prio_estimates_key", ""),
+                    options.get("prio_ready_key", ""),
                 ],
                 args=[dumps(message), cap, policy, tier, time.time(), budget, tier_queue, lane, head],
                 client=client,
@@ -199,17 +207,33 @@ class Channel(kombu_redis.Channel):
         ):
             return super()._put(queue, message, **kwargs)
         batch = kwargs.get("_publish_batch")
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         if batch is not None:  # kombu's Producer.batch(): the bell joins its pipeline
             super()._put(queue, message, **kwargs)
+            self._mark_ready(lambda index, k: batch.add("sadd", index, k), queue, key)
             batch.add("lpush", bell, 1)
             batch.add("ltrim", bell, 0, BELL_MAX - 1)
             return None
-        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client:
-            client.pipeline(transaction=False).lpush(key, dumps(message)).lpush(bell, 1).ltrim(
-                bell, 0, BELL_MAX - 1
-            ).execute()
+            pipe = client.pipeline(transaction=False).lpush(key, dumps(message))
+            self._mark_ready(pipe.sadd, queue, key)  # a front lane's push (a resumed task)
+            pipe.lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1).execute()
         return None
+
+    def _mark_ready(self, add: Any, queue: str, key: str) -> None:
+        """``add(index, key)``: ``key`` (a list of ``queue``) joins the ready index, where ``queue`` is a tier
+        queue, front lane or sub-queue (``lua/fetch.lua`` asks those only while indexed)."""
+        index = ready_of(self.connection.client.transport_options, queue)
+        if index:
+            add(index, key)
+
+    def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
+        """kombu's restore (a worker gone, a visibility timeout), and the list it refills joins the ready index
+        in the same transaction."""
+        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        for queue in self._lookup(exchange, routing_key):
+            key = self._q_for_pri(queue, self._get_message_priority(payload, reverse=False))
+            self._mark_ready(pipe.sadd, queue.split(self.sep, 1)[0], key)
 
 
 #: kombu's remote-control reply queues (``<id>.reply.celery.pidbox``).
@@ -263,6 +287,12 @@ def bell_of(options: dict, queue: str) -> str:
     """The doorbell of the tier ``queue`` (a tier queue, front lane or sub-queue) belongs to, or ``''``."""
     rule = cap_rule(options, queue.removesuffix(PROMOTED_SUFFIX))
     return "" if rule is None else bell_key(options, rule[2])
+
+
+def ready_of(options: dict, queue: str) -> str:
+    """The ready index ``queue``'s lists join when pushed to (a tier queue, front lane or sub-queue), or ``''``."""
+    indexed = cap_rule(options, queue.removesuffix(PROMOTED_SUFFIX)) is not None
+    return options.get("prio_ready_key", "") if indexed else ""
 
 
 def registered_subqueues(client: Redis, registry: str) -> list[str]:

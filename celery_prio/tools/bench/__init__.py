@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scale-workers", default="1,16", help="idle fleet sizes for --only scale, comma-separated (e.g. 1,16,64)"
     )
     parser.add_argument("--scale-window", type=float, default=15.0, help="seconds an idle fleet is measured")
+    parser.add_argument("--busy-workers", default="4,16,64", help="busy fleet sizes for --only scale")
+    parser.add_argument("--busy-subqueues", default="0,50,500", help="tenant sub-queues served, busy sweep at 16")
     parser.add_argument("--inherit-backlog", type=int, default=2000, help="offline tasks ahead of the dependency")
     parser.add_argument(
         "--batches-python",
@@ -132,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.only == "scale":
                 sizes = tuple(int(n) for n in args.scale_workers.split(","))
-                results[kind]["scale"] = bench_scale(broker, Path(tmp), sizes, args.scale_window)
+                busy = tuple(int(n) for n in args.busy_workers.split(","))
+                subqueues = tuple(int(n) for n in args.busy_subqueues.split(","))
+                results[kind]["scale"] = bench_scale(
+                    broker, Path(tmp), sizes, args.scale_window, busy_sizes=busy, busy_subqueues=subqueues
+                )
                 results[kind]["latency"] = bench_latency(broker, Path(tmp), args.duration)
             if args.only == "surge":
                 results[kind]["surge"] = bench_surge(broker, Path(tmp), duration=min(args.duration, 8.0))

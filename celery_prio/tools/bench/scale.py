@@ -11,6 +11,7 @@ drain a mixed backlog; the broker's CPU per task done.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -135,27 +136,109 @@ def pickup(run: Run) -> dict[str, Any]:
     return {"pickup_p50_ms": percentile(waits, 50), "pickup_p99_ms": percentile(waits, 99), "picked_up": len(waits)}
 
 
-def run_busy(mode: str, broker: str, workers: int, tasks: int, logdir: Path) -> dict[str, Any]:
-    """``workers`` workers drain ``tasks`` short tasks of all tiers: the broker's CPU per task done."""
-    run, meter = _fleet(mode, broker, workers, logdir), BrokerMeter(broker)
+def _fill_subqueues(run: Run, count: int) -> None:
+    """``count`` batch tenants, each with one task run through it: the fleet serves them all (most stay empty)."""
+    if not count:
+        return
+    task = run.task
+    for i in range(count):
+        task.apply_async((f"sub{i}", time.time(), 0.0), tier="batch", subqueue=f"tenant{i}")
+    deadline = time.monotonic() + 60
+    while sum(1 for r in run.read() if r[0].startswith("sub")) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2 * SETTLE)  # every worker has found every tenant (the registry, a discovery round)
+
+
+def run_busy(
+    mode: str, broker: str, workers: int, tasks: int, logdir: Path, subqueues: int = 0, **options: Any
+) -> dict[str, Any]:
+    """``workers`` workers drain a backlog of ``tasks`` 2 ms tasks (batch and offline) published while they are
+    stopped (SIGSTOP), plus a realtime trickle (20/s) during the drain: broker CPU and Redis commands per task
+    (the drain's: fetch and ack; the publish's apart), drain time, the trickle's pickup P99."""
+    run = Run(mode, broker, logdir, concurrency=1, **options)
     try:
-        tiers = ("realtime", "batch", "batch", "offline")
-        (broker0, commands0), t0 = meter.read(), time.monotonic()
-        for i in range(tasks):
-            run.publish(tiers[i % len(tiers)], 0.002)
-        deadline = time.monotonic() + 120
-        while len(run.read()) < tasks and time.monotonic() < deadline:
-            time.sleep(0.1)
-        done, ((broker1, commands1), t1) = len(run.read()), (meter.read(), time.monotonic())
+        for _ in range(workers):
+            run.start_worker(wait=False)
+        for worker in run.workers:
+            worker.wait_ready(timeout=60 + 3 * workers)
+        time.sleep(SETTLE)
+        _fill_subqueues(run, subqueues if mode == "prio" else 0)
+        meter, groups = BrokerMeter(broker), {w.pid for w in run.workers}
+        for pid in groups:
+            os.killpg(pid, signal.SIGSTOP)
+        try:
+            (cpu0, _), t0 = meter.read(), time.monotonic()
+            for i in range(tasks):
+                run.publish(("batch", "batch", "batch", "offline")[i % 4], 0.002)
+            (cpu1, _), publish_s = meter.read(), time.monotonic() - t0
+        finally:
+            for pid in groups:
+                os.killpg(pid, signal.SIGCONT)
+        (broker0, commands0), t1 = meter.read(), time.monotonic()
+        trickle, next_at = [], t1
+        while sum(1 for r in run.read() if r[0] in ("batch", "offline")) < tasks and time.monotonic() < t1 + 120:
+            if time.monotonic() >= next_at:
+                trickle.append(run.publish("realtime", 0.0, label=f"rt{len(trickle)}"))
+                next_at += 0.05
+            time.sleep(0.005)
+        (broker1, commands1), t2 = meter.read(), time.monotonic()
+        done = sum(1 for r in run.read() if r[0] in ("batch", "offline"))
+        time.sleep(0.5)  # the trickle's last calls
+        starts = {r[0]: r[2] - r[1] for r in run.read() if r[0].startswith("rt")}
+        waits = [1000 * w for w in starts.values()]
         return {
             "workers": workers,
+            "subqueues": subqueues,
             "done": done,
-            "seconds": t1 - t0,
+            "seconds": t2 - t1,
+            "publish_cpu_ms_per_task": None if cpu0 is None else 1000 * (cpu1 - cpu0) / tasks,
+            "publish_s": publish_s,
             "broker_cpu_ms_per_task": None if broker0 is None or not done else 1000 * (broker1 - broker0) / done,
             "redis_commands_per_task": None if commands0 is None or not done else (commands1 - commands0) / done,
+            "trickle_p99_ms": percentile(waits, 99) if waits else None,
+            "trickle": f"{len(waits)}/{len(trickle)}",
         }
     finally:
         run.close()
+
+
+def bench_busy(
+    broker: str,
+    logdir: Path,
+    sizes: tuple[int, ...] = (4, 16, 64),
+    subqueues: tuple[int, ...] = (0, 50, 500),
+    tasks: int = 2000,
+) -> dict[str, Any]:
+    """The busy sweep: plain Celery and celery-prio side by side at each fleet size, then celery-prio at 16 workers
+    serving more and more (mostly empty) tenant sub-queues; ratios against plain at the same size."""
+    kind = broker_kind(broker)
+    print(f"\n== {kind}: busy fleet ({tasks} tasks of 2 ms, batch and offline; realtime trickle 20/s; defaults)")
+    print(
+        f"{'setup':<16}{'workers':>8}{'subq':>6}{'broker ms/task':>16}{'cmd/task':>10}{'drain s':>9}"
+        f"{'publish ms/task':>17}{'rt p99 ms':>11}{'cpu x':>7}{'drain x':>9}"
+    )
+    rows: dict[str, Any] = {}
+    plain_at: dict[int, dict[str, Any]] = {}
+    runs = [(mode, n, 0) for n in sizes for mode in ("fifo", "prio")]
+    runs += [("prio", 16, k) for k in subqueues if k]
+    for mode, n, k in runs:
+        row = run_busy(mode, broker, n, tasks, logdir, k)
+        if mode == "fifo":
+            plain_at[n] = row
+        plain = plain_at.get(n) or plain_at.get(16)
+        if mode == "prio" and plain and plain["broker_cpu_ms_per_task"] and row["broker_cpu_ms_per_task"]:
+            row["cpu_ratio"] = row["broker_cpu_ms_per_task"] / plain["broker_cpu_ms_per_task"]
+            row["drain_ratio"] = row["seconds"] / plain["seconds"]
+        rows[f"{mode}/{n}/{k}"] = row
+        name = "plain Celery" if mode == "fifo" else "celery-prio"
+        print(
+            f"{name:<16}{n:>8}{k:>6}{_fmt(row['broker_cpu_ms_per_task'], 3):>16}"
+            f"{_fmt(row['redis_commands_per_task']):>10}{row['seconds']:>9.2f}"
+            f"{_fmt(row['publish_cpu_ms_per_task'], 3):>17}{_fmt(row['trickle_p99_ms']):>11}"
+            f"{_fmt(row.get('cpu_ratio'), 2):>7}{_fmt(row.get('drain_ratio'), 2):>9}",
+            flush=True,
+        )
+    return rows
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -163,9 +246,15 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def bench_scale(
-    broker: str, logdir: Path, sizes: tuple[int, ...] = (1, 16), window: float = 15.0, busy_tasks: int = 2000
+    broker: str,
+    logdir: Path,
+    sizes: tuple[int, ...] = (1, 16),
+    window: float = 15.0,
+    busy_tasks: int = 2000,
+    busy_sizes: tuple[int, ...] = (4, 16, 64),
+    busy_subqueues: tuple[int, ...] = (0, 50, 500),
 ) -> dict[str, Any]:
-    """Idle fleets of each size and a busy fleet of 16, plain Celery and celery-prio side by side."""
+    """Idle fleets of each size and the busy sweep, plain Celery and celery-prio side by side."""
     kind = broker_kind(broker)
     print(f"\n== {kind}: fleet scale (idle workers, --concurrency 1, defaults; {window:g} s window)")
     print(
@@ -187,23 +276,7 @@ def bench_scale(
         checks = _idle_targets(plain, ours, n, kind)
         results["idle"][f"targets/{n}"] = checks
         print("  targets: " + "; ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in checks.items()))
-    busy_n = max(sizes) if max(sizes) <= 16 else 16
-    print(f"busy fleet: {busy_n} workers drain {busy_tasks} tasks of 2 ms (all tiers)")
-    for mode in ("fifo", "prio"):
-        row = run_busy(mode, broker, busy_n, busy_tasks, logdir)
-        results["busy"][mode] = row
-        name = "plain Celery" if mode == "fifo" else "celery-prio"
-        commands = row["redis_commands_per_task"]
-        per_task = "" if commands is None else f", {commands:.1f} cmd/task"
-        print(
-            f"  {name:<20} broker CPU {_fmt(row['broker_cpu_ms_per_task'], 3)} ms/task{per_task}"
-            f", {row['done']} done in {row['seconds']:.1f} s"
-        )
-    plain, ours = results["busy"]["fifo"], results["busy"]["prio"]
-    if plain["broker_cpu_ms_per_task"] and ours["broker_cpu_ms_per_task"]:
-        ratio = ours["broker_cpu_ms_per_task"] / plain["broker_cpu_ms_per_task"]
-        results["busy"]["ratio"] = ratio
-        print(f"  broker CPU per task, celery-prio / plain: {ratio:.2f}")
+    results["busy"] = bench_busy(broker, logdir, busy_sizes, busy_subqueues, busy_tasks)
     return results
 
 

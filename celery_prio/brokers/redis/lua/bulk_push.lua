@@ -3,11 +3,12 @@
 -- does not fit (the caller reports how many went in). ``drop_oldest``: push
 -- all, evicting the oldest to the dead letters as needed.
 -- The tier's doorbell rings once per message taken (up to its bound).
--- KEYS: tier list, dead list, stats hash, the tier's bell.
+-- KEYS: tier list, dead list, stats hash, the tier's bell, the index of lists with work ('' = none).
 -- ARGV: cap (-1 = none), policy, tier label, now, then the messages.
 -- Returns {accepted, depth after}.
 --#include dead_entry
 --#include ring
+--#include mark_ready
 
 local cap = tonumber(ARGV[1])
 local n = redis.call('LLEN', KEYS[1])
@@ -18,6 +19,7 @@ if cap < 0 or n + count <= cap then  -- room for all: LPUSHes of at most UNPACK_
   for first = 5, #ARGV, UNPACK_MAX do
     redis.call('LPUSH', KEYS[1], unpack(ARGV, first, math.min(first + UNPACK_MAX - 1, #ARGV)))
   end
+  mark_ready(KEYS[5], KEYS[1])
   ring(KEYS[4], count)
   return {count, n + count}
 end
@@ -39,5 +41,6 @@ for i = 5, #ARGV do
   accepted = accepted + 1
 end
 if evicted > 0 then redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[3], evicted) end
+if accepted > 0 then mark_ready(KEYS[5], KEYS[1]) end
 ring(KEYS[4], accepted)
 return {accepted, n}

@@ -6,11 +6,12 @@
 -- lost and the pass moves on); a full destination stops the pass.
 -- One call looks at no more than ARGV[2] entries and about ``SCRIPT_BYTES``
 -- bytes, so a long list is requeued in calls that let Redis serve others.
--- KEYS: dead list. ARGV: limit, most entries to look at, then pairs of (queue
+-- KEYS: dead list, the index of lists with work ('' = none). ARGV: limit, most entries to look at, then pairs of (queue
 -- name, cap) for every allowed destination; a name ending in '.' stands for
 -- every sub-queue of a tier (``<prefix>.<tier>.<1-64 letters, digits, _ or
 -- ->``, not promoted/dlx). Returns {moved, left, skipped, looked, full (1 when
 -- a full destination stopped it)}.
+--#include mark_ready
 local caps, heads = {}, {}
 for i = 3, #ARGV, 2 do
   if string.sub(ARGV[i], -1) == '.' then heads[ARGV[i]] = tonumber(ARGV[i + 1])
@@ -48,6 +49,7 @@ while moved < limit and looked < budget and bytes < ${SCRIPT_BYTES} do
   else
     if cap >= 0 and redis.call('LLEN', queue) >= cap then full = 1; looked = looked - 1; break end
     redis.call('LPUSH', queue, message)
+    mark_ready(KEYS[2], queue)
     redis.call('RPOP', KEYS[1])
     moved = moved + 1
   end

@@ -13,68 +13,102 @@
 -- A batch (``count`` > 1) takes up to ``count`` messages of one list, oldest
 -- first, each recorded the same way, and stops at one of another task (``task``)
 -- or before ``SCRIPT_BYTES`` of them (the caller asks again for more).
+-- Lists with work are indexed (``<prefix>.ready``, a set: every publish script
+-- adds the list it pushes to, ``mark_ready.lua``): a list marked '1' in the
+-- mask is asked only if it is in the index (one SMISMEMBER for all of them,
+-- not a LINDEX per list, so a busy worker's fetch costs the same whether it
+-- serves 3 lists or 2,000), and leaves the index when this script finds it
+-- empty. Lists marked '0' (queues other producers write to) are
+-- always asked; lists marked '2' are asked whatever the index says and put
+-- back into it when they hold work (a worker's full ask, at most once a
+-- second when the index found nothing: the net for writers that do not
+-- know the index).
 -- KEYS: the lists in preference order, then the unacked hash, its index,
--- the dead list, the stats hash, the owners hash and the registry's version
--- key, then the bells of the tiers asked.
--- ARGV: now, count, task name ('' = any), the worker's name, then one tier label per list.
+-- the dead list, the stats hash, the owners hash, the registry's version
+-- key and the index of lists with work ('' = none), then the bells of the tiers asked.
+-- ARGV: now, count, task name ('' = any), the worker's name, the mask (a '1' or '0' per list),
+-- then one tier label per list.
 -- Returns {position of the list (1-based), version, message, delivery tag, message, tag, ...}
 -- (the tag as cjson read it: Python may fail to decode what cjson accepts),
 -- {0, version, n dead-lettered} when it stopped at its dead-letter budget,
 -- or {-1, version} when all are empty.
 --#include dead_entry
 
-local n = #ARGV - 4
-local count, task, worker = tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local n = #ARGV - 5
+local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local version = redis.call('GET', KEYS[n + 6]) or ''
+local ready_key = KEYS[n + 7]
+local indexed = {}  -- position -> in the index (only for lists the mask marks)
+if ready_key ~= '' and string.find(mask, '1', 1, true) then
+  local asked = {}
+  for i = 1, n do if string.sub(mask, i, i) == '1' then asked[#asked + 1] = i end end
+  for first = 1, #asked, 1000 do  -- unpack() takes a bounded number of values
+    local names = {}
+    for j = first, math.min(first + 999, #asked) do names[#names + 1] = KEYS[asked[j]] end
+    local flags = redis.call('SMISMEMBER', ready_key, unpack(names))
+    for j = 1, #names do indexed[asked[first + j - 1]] = flags[j] == 1 end
+  end
+end
+if ready_key ~= '' and string.find(mask, '2', 1, true) then
+  for i = 1, n do  -- a full ask mends the index for every list it covers, not only the one it takes from
+    if string.sub(mask, i, i) == '2' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('SADD', ready_key, KEYS[i]) end
+  end
+end
 local dead, dead_bytes = 0, 0
 for i = 1, n do
-  local label = ARGV[4 + i]
+  local label = ARGV[5 + i]
   local taken, taken_bytes = {i, version}, 0
-  while #taken < 2 + 2 * count do
-    local raw = redis.call('LINDEX', KEYS[i], -1)
-    if not raw then break end
-    local ok, msg = pcall(cjson.decode, raw)
-    local reason = nil
-    if not ok then
-      reason = 'malformed: not JSON'
-    elseif type(msg) ~= 'table' then
-      reason = 'malformed: envelope is not an object'
-    elseif type(msg['properties']) ~= 'table' then
-      reason = "malformed: envelope has no 'properties' object"
-    elseif type(msg['properties']['delivery_tag']) ~= 'string' then
-      reason = 'malformed: properties.delivery_tag missing or not a string'
-    elseif msg['headers'] ~= nil and type(msg['headers']) ~= 'table' then
-      reason = 'malformed: headers are not an object'
-    end
-    if reason then
-      if #taken > 2 then break end  -- the batch so far goes first; the next fetch moves this aside
-      redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, label, ARGV[1], KEYS[i]))
-      redis.call('RPOP', KEYS[i])
-      redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. label, 1)
-      dead = dead + 1
-      dead_bytes = dead_bytes + #raw
-      if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, dead} end
-    else
-      if task ~= '' and #taken > 2 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
-        break  -- a batch holds one task's calls only
+  if indexed[i] ~= false then  -- false: no work in it, by the index
+    while #taken < 2 + 2 * count do
+      local raw = redis.call('LINDEX', KEYS[i], -1)
+      if not raw then break end
+      local ok, msg = pcall(cjson.decode, raw)
+      local reason = nil
+      if not ok then
+        reason = 'malformed: not JSON'
+      elseif type(msg) ~= 'table' then
+        reason = 'malformed: envelope is not an object'
+      elseif type(msg['properties']) ~= 'table' then
+        reason = "malformed: envelope has no 'properties' object"
+      elseif type(msg['properties']['delivery_tag']) ~= 'string' then
+        reason = 'malformed: properties.delivery_tag missing or not a string'
+      elseif msg['headers'] ~= nil and type(msg['headers']) ~= 'table' then
+        reason = 'malformed: headers are not an object'
       end
-      if #taken > 2 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
-      taken_bytes = taken_bytes + #raw
-      local tag = msg['properties']['delivery_tag']
-      -- A restore (the worker died) returns it to the list it came from, not
-      -- to whatever its own delivery_info names: that is data, not an address.
-      redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
-      redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',"",' .. cjson.encode(KEYS[i]) .. ']')
-      local t = redis.call('TIME')
-      local fetched = t[1] .. '.' .. string.format('%06d', t[2])
-      redis.call('HSET', KEYS[n + 5], tag, worker .. '|' .. label .. '|' .. fetched)
-      redis.call('RPOP', KEYS[i])
-      taken[#taken + 1] = raw
-      taken[#taken + 1] = tag
+      if reason then
+        if #taken > 2 then break end  -- the batch so far goes first; the next fetch moves this aside
+        redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, label, ARGV[1], KEYS[i]))
+        redis.call('RPOP', KEYS[i])
+        redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. label, 1)
+        dead = dead + 1
+        dead_bytes = dead_bytes + #raw
+        if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, dead} end
+      else
+        if task ~= '' and #taken > 2 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
+          break  -- a batch holds one task's calls only
+        end
+        if #taken > 2 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
+        taken_bytes = taken_bytes + #raw
+        local tag = msg['properties']['delivery_tag']
+        -- A restore (the worker died) returns it to the list it came from, not
+        -- to whatever its own delivery_info names: that is data, not an address.
+        redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
+        redis.call('HSET', KEYS[n + 1], tag, '[' .. raw .. ',"",' .. cjson.encode(KEYS[i]) .. ']')
+        local t = redis.call('TIME')
+        local fetched = t[1] .. '.' .. string.format('%06d', t[2])
+        redis.call('HSET', KEYS[n + 5], tag, worker .. '|' .. label .. '|' .. fetched)
+        redis.call('RPOP', KEYS[i])
+        taken[#taken + 1] = raw
+        taken[#taken + 1] = tag
+      end
     end
+    -- Found empty: out of the index. One emptied by this take stays in it until a fetch finds it empty (one
+    -- LINDEX then, where checking after every take would cost a command per task on a busy list).
+    local full = string.sub(mask, i, i) == '2'
+    if (indexed[i] ~= nil or full) and #taken == 2 then redis.call('SREM', ready_key, KEYS[i]) end
+    if #taken > 2 then return taken end
   end
-  if #taken > 2 then return taken end
 end
 if dead > 0 then return {0, version, dead} end
-for b = n + 7, #KEYS do redis.call('DEL', KEYS[b]) end
+for b = n + 8, #KEYS do redis.call('DEL', KEYS[b]) end
 return {-1, version}

@@ -1,13 +1,15 @@
 -- Publish one message to a tier list (or sub-queue) under its cap and its wait budget, and ring the tier's
 -- doorbell.
 -- KEYS: tier list, dead list, stats hash, the tier's bell, the admission hash (live slots per tier), the
--- sub-queue registry (a set of list names), the run-time estimates (list name -> seconds per task).
+-- sub-queue registry (a set of list names), the run-time estimates (list name -> seconds per task), the
+-- index of lists with work ('' = none: see fetch.lua).
 -- ARGV: message, cap (-1 = none), policy, tier label, now (epoch s), the tier's wait budget in seconds (-1 =
 -- none), the tier's queue, its front lane ('' = none), its sub-queue name prefix ("<prefix>.<tier>.").
 -- Returns {accepted (1/0), depth after (or depth seen when refused)}, and, when refused for its predicted
 -- wait, that wait in seconds (a string: Lua numbers reach the caller as integers).
 --#include dead_entry
 --#include ring
+--#include mark_ready
 
 local n = redis.call('LLEN', KEYS[1])
 local budget = tonumber(ARGV[6]) or -1  -- a caller that passes no budget: admitted by the cap alone
@@ -41,6 +43,7 @@ end
 local cap = tonumber(ARGV[2])
 if cap < 0 or n < cap then
   redis.call('LPUSH', KEYS[1], ARGV[1])
+  mark_ready(KEYS[8], KEYS[1])
   ring(KEYS[4], 1)
   return {1, n + 1}
 end
@@ -59,5 +62,6 @@ while n >= cap and evicted < ${EVICT_BUDGET} do
 end
 redis.call('HINCRBY', KEYS[3], 'dropped:' .. ARGV[4], evicted)
 redis.call('LPUSH', KEYS[1], ARGV[1])
+mark_ready(KEYS[8], KEYS[1])
 ring(KEYS[4], 1)
 return {1, n + 1}

@@ -1,0 +1,133 @@
+"""Redis's ready index (issue 37): a fetch asks only the lists that hold work, and never skips one that does.
+
+Real Redis, the library's own publish paths (capped publish, sub-queues, bulk, kombu's restore) and fetch
+script, publishers and fetchers running at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from celery_prio import settings_for
+from celery_prio.brokers.redis.fetch import RedisFetchSource
+from celery_prio.brokers.redis.ready import ReadyHeal
+from celery_prio.policy.served import ServedQueues
+from celery_prio.tiers import TIERS, Tier
+from tests.test_untrusted import message
+
+
+def adapter_client(env):
+    """A Redis client on the app's broker db (the one its workers and publishers use)."""
+    import redis
+
+    return redis.Redis.from_url(env.app.conf.broker_url)
+
+
+ORDER = [Tier.REALTIME, Tier.BATCH, Tier.OFFLINE]
+TENANTS = ["acme", "globex", "initech"]
+
+
+def _source(env, client_name: str):
+    conn = env.app.connection_for_write()
+    channel = conn.default_channel
+    s = settings_for(env.app)
+    subs = [s.subqueue_name(Tier.BATCH, t) for t in TENANTS]
+    served = ServedQueues(s, [s.queue_name(t) for t in TIERS])
+    served.set_discovered(subs)
+    return conn, RedisFetchSource(env.app, channel, served, s, client_name)
+
+
+def _index_misses(client, s, source) -> list[str]:
+    """Lists with work that the index does not hold: must be none."""
+    ready = {m.decode() for m in client.smembers(s.ready_key)}
+    names = [k for n in source.served.all_names() for k in source.keys_for(n) if s.is_indexed(n)]
+    return [k for k in names if client.llen(k) and k not in ready]
+
+
+def test_the_index_stays_exact_under_concurrent_publishers_and_fetchers(redis_env):
+    env = redis_env
+    env.configure(max_wait={"realtime": None})
+    s = settings_for(env.app)
+    sleep = env.app.tasks["t.sleep"]
+    conn, source = _source(env, "fetcher-a")
+    conn2, other = _source(env, "fetcher-b")
+    source._full_at = other._full_at = float("inf")  # the index alone: a dropped entry would strand a message
+    published, taken, stop = [], [], threading.Event()
+    lock = threading.Lock()
+
+    def publish(n: int, who: str) -> None:
+        for i in range(n):
+            tag = f"{who}{i}"
+            tenant = TENANTS[i % len(TENANTS)] if i % 3 == 0 else None
+            tier = ("batch", "offline", "realtime")[i % 3]
+            sleep.apply_async((tag, 0), tier=tier, subqueue=tenant)
+            with lock:
+                published.append(tag)
+
+    def fetch(src) -> None:
+        while not stop.is_set():
+            take = src.take(list(ORDER))
+            if take.message is None:
+                time.sleep(0.001)
+                continue
+            take.message.ack()
+            with lock:
+                taken.append(take.message.payload[0][0])
+
+    publishers = [threading.Thread(target=publish, args=(150, w)) for w in ("p", "q")]
+    fetchers = [threading.Thread(target=fetch, args=(src,)) for src in (source, other)]
+    for t in publishers + fetchers:
+        t.start()
+    for t in publishers:
+        t.join()
+    deadline = time.monotonic() + 20
+    while len(taken) < len(published) and time.monotonic() < deadline:
+        assert not _index_misses(adapter_client(env), s, source)
+        time.sleep(0.01)
+    stop.set()
+    for t in fetchers:
+        t.join()
+    conn.release()
+    conn2.release()
+    assert sorted(taken) == sorted(published)  # every one taken, once, without a full ask
+    assert not _index_misses(adapter_client(env), s, source)
+
+
+def test_a_restored_message_is_indexed_again(redis_env):
+    env = redis_env
+    s = settings_for(env.app)
+    conn, source = _source(env, "fetcher-r")
+    source._full_at = float("inf")
+    env.app.tasks["t.sleep"].apply_async(("back", 0), tier="batch")
+    take = source.take(list(ORDER))
+    assert take.message.payload[0][0] == "back"
+    assert source.take(list(ORDER)).message is None  # found empty: out of the index
+    assert s.queue_name(Tier.BATCH) not in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    source.channel.qos.restore_by_tag(take.message.delivery_tag, client=source.channel.client)  # kombu's restore
+    again = source.take(list(ORDER))
+    assert again.message is not None and again.message.payload[0][0] == "back"
+    again.message.ack()
+    conn.release()
+
+
+def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_housekeepers_round(redis_env):
+    env = redis_env
+    s = settings_for(env.app)
+    conn, source = _source(env, "fetcher-f")
+    queue = s.queue_name(Tier.OFFLINE)
+    adapter_client(env).lpush(queue, message(task_id="raw1"))  # a plain LPUSH: no index entry
+    source._full_at = float("inf")
+    assert source.take(list(ORDER)).message is None  # the index alone does not see it
+    source._full_at = float("-inf")  # the once-a-second full ask does, and mends the index
+    adapter_client(env).lpush(queue, message(task_id="raw2"))
+    take = source.take(list(ORDER))
+    assert take.message is not None and take.message.headers["id"] == "raw1"
+    take.message.ack()
+    assert queue in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    # The housekeeper's round puts a missing list back without any fetch.
+    adapter_client(env).srem(s.ready_key, queue)
+    heal = ReadyHeal(s)
+    assert heal.run(source.channel) == 1 and heal.run(source.channel) == 0
+    assert queue in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    conn.release()
