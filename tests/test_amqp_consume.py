@@ -221,6 +221,7 @@ def test_sub_queues_are_pushed_too_and_taken_in_tier_order(amqp_env):
         sleep.apply_async(("o", 0), tier="offline")
         sleep.apply_async(("acme", 0), tier="batch", subqueue="acme")
         pump_until(conn, lambda: source.held == 2)
+        time.sleep(2 * prio.poll_interval)  # past the window in which a new consumer's queue counts as pending
         calls = source.broker_calls
         take = source.take(ORDER)
         assert (take.tier, take.queue, take.message.payload[0][0]) == (B, sub, "acme")  # batch before offline

@@ -323,12 +323,15 @@ class AmqpFetchSource(BrokerFetchSource):
         """With the refusals the publishers counted, from the fleet's record (where a wait budget keeps one)."""
         figures = super().broker_figures(now, idle)
         if any(budget is not None for budget in self.settings.max_wait.values()):
-            probe = self._probe.get(self.channel.connection)  # an error reply closes it, not the fetch channel
+            probe = self.channel.connection.channel()  # an error reply closes this channel, not the fetch one
             try:
                 declare_record_queue(probe, self.settings)
                 record = read_fleet_record(probe, self.settings)
             except ChannelError:  # the record's queue unavailable (its node down on a cluster): no counts now
                 record = None
+            finally:
+                if probe.is_open:
+                    probe.close()
             if record is not None:
                 figures.counters, figures.kept = record.counters, REFUSAL_COUNTERS
         return figures
