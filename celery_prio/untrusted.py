@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 
 from .headers import ENQUEUED_HEADER
@@ -102,3 +103,15 @@ def death_records(headers: object) -> list[Mapping[str, object]]:
 def was_promoted_by_broker(headers: object) -> bool:
     """RabbitMQ aging: the message expired out of a lower tier into this one."""
     return any(d.get("reason") == "expired" for d in death_records(headers))
+
+
+#: The end of an unacked entry as the fetch script (``[raw,"",queue]``) or kombu (``[raw, "", queue]``) writes it.
+_ENTRY_TAIL = re.compile(rb',\s*"(?:[^"\\]|\\.)*",\s*"((?:[^"\\]|\\.)*)"\]\s*$')
+
+
+def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
+    """``(raw message, queue)`` of a kombu unacked entry, without decoding the message (it may not decode)."""
+    match = _ENTRY_TAIL.search(entry)
+    if not entry.startswith(b"[") or match is None:
+        return entry, ""
+    return entry[1 : match.start()], match.group(1).decode(errors="replace")

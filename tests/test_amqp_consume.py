@@ -350,3 +350,30 @@ def test_a_worker_that_loses_its_connection_fetches_by_push_again(amqp_push_env)
         what="the tasks published after the reconnect",
     )
     assert worker.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_the_default_sigkilled_with_messages_in_hand_loses_none_and_runs_none_twice(amqp_env):
+    """The default fetch (push) on a worker SIGKILLed while it holds pushed messages it has not started: RabbitMQ
+    requeues them the moment the connection closes, another worker runs each once; the task that was running
+    (acked as it started, Celery's default) is not run again."""
+    from celery_prio.worker.control import collect_prio_stats
+
+    env = amqp_env
+    assert settings_for(env.app).fetch == "consume"
+    busy_worker_and_next(env, hold_max=30, long_seconds=30.0)  # "next" stays in hand behind the long task
+    env.app.tasks["t.sleep"].apply_async(("later", 0.0), tier="offline")
+
+    def held() -> int:
+        (prio,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
+        return prio["held"]
+
+    env.wait_for(lambda: held() == 2, timeout=5, what="the worker to hold 'next' and 'later'")
+    assert env.depth(B) == env.depth(O) == 0
+    env.workers[0].kill()
+    env.wait_for(lambda: env.depth(B) == 1 and env.depth(O) == 1, timeout=2, what="the held messages back at once")
+    env.start_worker(concurrency=1)
+    env.wait_for(lambda: test_worker.starts(env, "next") and test_worker.starts(env, "later"), timeout=20)
+    time.sleep(1)
+    tags = [e["tag"] for e in env.log() if e["kind"] == "start"]
+    assert tags.count("next") == tags.count("later") == tags.count("long") == 1, tags

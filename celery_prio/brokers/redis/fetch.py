@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -12,13 +11,14 @@ from ...errors import ConfigError
 from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
-from ...untrusted import decode_problem, decode_redis_element
+from ...untrusted import decode_problem, decode_redis_element, split_unacked_entry
 from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
 from ..shared import as_text
 from . import figures
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
+from .ready import FULL_ASK_INTERVAL, ReadyMask, indexed_depths
 from .scripts import BELL_MAX, DEAD_LETTER, FETCH, HEARTBEAT, SCRIPT_BYTES
 from .transport import UNSETTLED, registered_subqueues
 
@@ -67,7 +67,7 @@ class RedisFetchSource(BrokerFetchSource):
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
         # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
-        self._indexed: dict[str, bool] = {}  # list key -> covered by the ready index (``_mask``)
+        self._mask = ReadyMask(self.settings, channel.sep)  # which lists the ready index covers
         self._full_at = float("-inf")  # the last fetch that asked every list (``take``)
 
     def attach_loop(self, hub: Hub) -> None:
@@ -218,8 +218,7 @@ class RedisFetchSource(BrokerFetchSource):
                 # Silenced when all is empty (a batch's top-up leaves them: it asks one queue only).
                 *((self.settings.bell_key(t) for t in dict.fromkeys(tiers)) if bells else ()),
             ],
-            args=[time.time(), count, task, self.worker_name, "".join(self._mask(key, full) for key in keys)]
-            + [t.label for t in tiers],
+            args=[time.time(), count, task, self.worker_name, self._mask(keys, full)] + [t.label for t in tiers],
             client=channel.client,
         )
         position, version = int(reply[0]) - 1, reply[1]
@@ -235,15 +234,6 @@ class RedisFetchSource(BrokerFetchSource):
             if message is not None:
                 messages.append(message)
         return position, messages
-
-    def _mask(self, key: str, full: bool) -> str:
-        """'1' for a list the ready index covers (asked only while indexed), '0' for one always asked, '2' for an
-        indexed list asked anyway (``full``: its index entry mended)."""
-        indexed = self._indexed.get(key)
-        if indexed is None:
-            queue = key.split(self.channel.sep, 1)[0]  # kombu's priority lists: "<queue><sep><priority>"
-            indexed = self._indexed[key] = self.settings.is_indexed(queue)
-        return ("2" if full else "1") if indexed else "0"
 
     def _message(self, raw: bytes, tag: str, tier: Tier, queue: str) -> Message | None:
         """kombu's Message for an element the script took; one Python cannot read goes to the dead letters."""
@@ -428,33 +418,7 @@ class RedisFetchSource(BrokerFetchSource):
         )
 
     def queue_depths(self, names: list[str]) -> list[int]:
-        """``LLEN`` of each, but only of lists the ready index holds (or does not cover): a busy worker's
-        report asks its dozens of empty lists nothing."""
-        client = self.channel.client
-        indexed = [name for name in names if self.settings.is_indexed(name)]
-        ready = dict(zip(indexed, client.smismember(self.settings.ready_key, indexed), strict=True)) if indexed else {}
-        asked = [name for name in names if ready.get(name, True)]
-        pipe = client.pipeline(transaction=False)
-        for name in asked:
-            pipe.llen(name)
-        depth = dict(zip(asked, (int(n) for n in pipe.execute()), strict=True))
-        return [depth.get(name, 0) for name in names]
-
-
-#: Seconds between a worker's full asks (every list it serves, the ready index mended): only when the index
-#: found nothing, so a busy worker never makes one.
-FULL_ASK_INTERVAL = 1.0
-
-#: The end of an unacked entry as the fetch script (``[raw,"",queue]``) or kombu (``[raw, "", queue]``) writes it.
-_ENTRY_TAIL = re.compile(rb',\s*"(?:[^"\\]|\\.)*",\s*"((?:[^"\\]|\\.)*)"\]\s*$')
-
-
-def split_unacked_entry(entry: bytes) -> tuple[bytes, str]:
-    """``(raw message, queue)`` of a kombu unacked entry, without decoding the message (it may not decode)."""
-    match = _ENTRY_TAIL.search(entry)
-    if not entry.startswith(b"[") or match is None:
-        return entry, ""
-    return entry[1 : match.start()], match.group(1).decode(errors="replace")
+        return indexed_depths(self.channel.client, self.settings, names)
 
 
 #: Seconds between marks that the worker's event loop turns, and the age of the last mark after which the

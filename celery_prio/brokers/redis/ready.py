@@ -1,4 +1,4 @@
-"""The ready index's safety net: the fleet's housekeeper puts back any list with work that the index misses.
+"""Redis's ready index, seen from Python: which lists it covers, depths read through it, and its safety nets.
 
 Every celery-prio writer keeps ``<prefix>.ready`` exact in the same call
 as its push (``lua/mark_ready.lua``, the transport's ``_put`` and restore),
@@ -7,12 +7,14 @@ not know the index (a producer still on a release before it, a plain kombu
 client publishing into a tier list) would leave its list unseen: this round
 looks at every list of the fleet (tier queues, front lanes, registered
 sub-queues, each with kombu's priority lists), ``HEAL_BATCH`` lists per run,
-so such a message waits at most a round, never forever.
+so such a message waits at most a round, never forever. A worker whose
+indexed fetch found nothing also asks every list, at most every
+``FULL_ASK_INTERVAL`` (``RedisFetchSource.take``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...headers import PROMOTED_SUFFIX
 from ...settings import PrioSettings
@@ -22,6 +24,10 @@ from .transport import registered_subqueues
 
 if TYPE_CHECKING:
     from kombu.transport.redis import Channel as RedisChannel
+
+#: Seconds between a worker's full asks (every list it serves, the ready index mended): only when the index
+#: found nothing, so a busy worker never makes one.
+FULL_ASK_INTERVAL = 1.0
 
 #: Seconds between runs (on the housekeeper only), and lists looked at per run: a fleet of 2,000 lists is
 #: covered every 4 s for about 500 cheap ``EXISTS`` a second.
@@ -51,3 +57,35 @@ class ReadyHeal:
         missing = int(channel.client.eval(HEAL_READY, 1 + len(batch), self.settings.ready_key, *batch))
         self.healed += missing
         return missing
+
+
+class ReadyMask:
+    """The fetch script's mask: '1' for a list the index covers (asked only while indexed), '0' for one always
+    asked (the app's own queues, legacy queues), '2' for a covered list asked anyway (a full ask: mended)."""
+
+    def __init__(self, settings: PrioSettings, sep: str) -> None:
+        self.settings, self.sep = settings, sep
+        self._covered: dict[str, bool] = {}
+
+    def __call__(self, keys: list[str], full: bool) -> str:
+        return "".join(("2" if full else "1") if self.covers(key) else "0" for key in keys)
+
+    def covers(self, key: str) -> bool:
+        covered = self._covered.get(key)
+        if covered is None:
+            queue = key.split(self.sep, 1)[0]  # kombu's priority lists: "<queue><sep><priority>"
+            covered = self._covered[key] = self.settings.is_indexed(queue)
+        return covered
+
+
+def indexed_depths(client: Any, settings: PrioSettings, names: list[str]) -> list[int]:
+    """``LLEN`` of each, but only of lists the ready index holds (or does not cover): a busy worker's report
+    asks its dozens of empty lists nothing."""
+    covered = [name for name in names if settings.is_indexed(name)]
+    ready = dict(zip(covered, client.smismember(settings.ready_key, covered), strict=True)) if covered else {}
+    asked = [name for name in names if ready.get(name, True)]
+    pipe = client.pipeline(transaction=False)
+    for name in asked:
+        pipe.llen(name)
+    depth = dict(zip(asked, (int(n) for n in pipe.execute()), strict=True))
+    return [depth.get(name, 0) for name in names]
