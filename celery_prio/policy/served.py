@@ -48,6 +48,7 @@ class ServedQueues:
         self.registered: frozenset[str] | None = None
         self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
         self.version = 0  # bumped whenever the set of served queues may have changed
+        self.runs = 0  # runs (and batches) charged so far: the estimates may have moved when it changes
         self.calls_per_run: dict[str, float] = {}  # a batched task's queue -> its calls per run (a moving mean)
         self.set_names(names)
 
@@ -130,6 +131,7 @@ class ServedQueues:
         return shares.dispatched(queue)
 
     def finished(self, queue: str, runtime: float, charge: float) -> None:
+        self.runs += 1
         shares = self._shares_of(queue)
         if shares is not None:
             shares.finished(queue, runtime, charge)
@@ -147,6 +149,7 @@ class ServedQueues:
 
     def batch_ran(self, queue: str, calls: int) -> None:
         """A batch of ``calls`` from ``queue`` ran as one: its run time counts ``calls`` calls."""
+        self.runs += 1
         before = self.calls_per_run.get(queue)
         self.calls_per_run[queue] = float(calls) if before is None else before + BATCH_SIZE_ALPHA * (calls - before)
 

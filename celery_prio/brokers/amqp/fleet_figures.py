@@ -116,10 +116,19 @@ class FleetFigures:
         self._news = False  # a report brought news since the last record (housekeeper)
         self._paused_until = float("-inf")
         self.counters: dict[str, int] = {}  # refusals the publishers counted (housekeeper), carried in the record
+        self._report: FleetRecord | None = None  # own_report's, for _report_state
+        self._report_state: tuple = ()
 
     def own_report(self) -> FleetRecord:
         """This worker's slots per tier (its concurrency split by the weights of the tiers it serves) and
-        the estimates it measured, of the tiers with a wait budget."""
+        the estimates it measured, of the tiers with a wait budget. Built again only when what it is made of
+        may have moved (a run, the queues served, the slots): a tick every 10 ms costs an idle worker nothing."""
+        state = (self.served.version, self.served.runs, self.slots())
+        if state != self._report_state or self._report is None:
+            self._report, self._report_state = self._build_report(), state
+        return self._report
+
+    def _build_report(self) -> FleetRecord:
         settings, served = self.settings, self.served.tiers
         budgeted = {t for t in TIERS if settings.max_wait[t] is not None}
         slots = {t: slot_share(self.slots(), t, served, settings.weights) for t in TIERS if t in served}

@@ -18,7 +18,7 @@ from . import figures
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
-from .ready import FULL_ASK_INTERVAL, ReadyMask, indexed_depths
+from .ready import FULL_ASK_INTERVAL, ReadyCopy, indexed_depths
 from .scripts import BELL_MAX, DEAD_LETTER, FETCH, HEARTBEAT, SCRIPT_BYTES
 from .transport import UNSETTLED, registered_subqueues
 
@@ -67,8 +67,8 @@ class RedisFetchSource(BrokerFetchSource):
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
         # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
-        self._mask = ReadyMask(self.settings, channel.sep)  # which lists the ready index covers
         self._full_at = float("-inf")  # the last fetch that asked every list (``take``)
+        self._ready = ReadyCopy(self.settings, channel.sep)  # this worker's copy of the ready index
 
     def attach_loop(self, hub: Hub) -> None:
         self.doorbell = Doorbell(
@@ -106,34 +106,48 @@ class RedisFetchSource(BrokerFetchSource):
             quiet = self.doorbell.quiet_tiers() & self._found_empty[1]
         if quiet.issuperset(order):
             return Take(empty=tuple(order))
-        keys: list[str] = []
-        owners: list[Candidate] = []
+        every: list[tuple[str, Candidate]] = []  # every list of the tiers asked, in asking order
         for tier in order:
             if tier in quiet:
                 continue
             for candidate in self.served.candidates(tier):
-                for key in self.keys_for(candidate.name):
-                    keys.append(key)
-                    owners.append(candidate)
-        self.broker_calls += 1
-        hit = self.fetch(keys, [c.tier for c in owners])
+                every.extend((key, candidate) for key in self.keys_for(candidate.name))
+        # Only the lists the ready index holds (this worker's copy of it) are passed, and those it does not
+        # cover: what the script is sent does not grow with the lists served, most of them empty.
+        hit, asked = self._fetch_ready(every)
         if hit is None and time.monotonic() - self._full_at >= FULL_ASK_INTERVAL:
             # The index found nothing: once a second at most, every list is asked (and the index mended), so a
             # writer that does not know the index (an older producer, a plain kombu client) is seen here too.
             self._full_at = time.monotonic()
             self.broker_calls += 1
-            hit = self.fetch(keys, [c.tier for c in owners], full=True)
+            hit, asked = self.fetch([k for k, _ in every], [c.tier for _, c in every], full=True), every
+        owners = [c for _, c in every]
         if hit is None:
             if not quiet:  # every list of these tiers asked and found empty, as served now
                 seen = self._found_empty[1] if self._found_empty[0] == version else frozenset()
                 self._found_empty = (version, seen | frozenset(order))
             return Take(empty=tuple(order), empty_queues=tuple(dict.fromkeys(c.name for c in owners)))
-        index, message = hit
+        position, message = hit
         if message is None:
             return Take(dead_lettered=1)
+        index = every.index(asked[position])  # where the list it came from is in asking order
         candidate = owners[index]
         passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
         return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
+
+    def _fetch_ready(
+        self, every: list[tuple[str, Candidate]]
+    ) -> tuple[tuple[int, Message | None] | None, list[tuple[str, Candidate]]]:
+        """The fetch over the lists of ``every`` that the ready index may hold; asked again at once when the
+        reply shows the index gained a list since this worker's copy (a first message in an empty list)."""
+        for _ in range(2):
+            seen = self._ready.members
+            asked = self._ready.select(every)
+            self.broker_calls += 1
+            hit = self.fetch([k for k, _ in asked], [c.tier for _, c in asked])
+            if hit is not None or self._ready.members is seen:
+                break
+        return hit, asked
 
     #: A safety net only: every fetch already returns the registry's version (see ``_registry_moved``).
     discovery_interval = 5.0
@@ -218,18 +232,19 @@ class RedisFetchSource(BrokerFetchSource):
                 # Silenced when all is empty (a batch's top-up leaves them: it asks one queue only).
                 *((self.settings.bell_key(t) for t in dict.fromkeys(tiers)) if bells else ()),
             ],
-            args=[time.time(), count, task, self.worker_name, self._mask(keys, full)] + [t.label for t in tiers],
+            args=[time.time(), count, task, self.worker_name, self._ready.mask(keys, full)] + [t.label for t in tiers],
             client=channel.client,
         )
         position, version = int(reply[0]) - 1, reply[1]
+        self._ready.moved(self.channel.client, reply[2])
         self._registry_moved(version or None, found=position != -2)
         if position == -2:
             return None
         if position < 0:
-            logger.error("celery-prio: moved %s malformed element(s) to %s", reply[2], self.settings.dead_letter_queue)
+            logger.error("celery-prio: moved %s malformed element(s) to %s", reply[3], self.settings.dead_letter_queue)
             return -1, []
         messages = []
-        for raw, tag in zip(reply[2::2], reply[3::2], strict=True):
+        for raw, tag in zip(reply[3::2], reply[4::2], strict=True):
             message = self._message(raw, as_text(tag), tiers[position], keys[position])
             if message is not None:
                 messages.append(message)

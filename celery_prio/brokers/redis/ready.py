@@ -59,15 +59,32 @@ class ReadyHeal:
         return missing
 
 
-class ReadyMask:
-    """The fetch script's mask: '1' for a list the index covers (asked only while indexed), '0' for one always
-    asked (the app's own queues, legacy queues), '2' for a covered list asked anyway (a full ask: mended)."""
+class ReadyCopy:
+    """A worker's copy of the ready index, read again (``SMEMBERS``) when a fetch reply shows its version moved
+    (a list joined it): the fetch script is passed only the lists the copy holds, and those the index does not
+    cover, so what one fetch sends does not grow with the lists a worker serves. A stale copy only ever misses
+    lists that joined since; the fetch that shows it is asked again at once (``RedisFetchSource.take``)."""
 
     def __init__(self, settings: PrioSettings, sep: str) -> None:
         self.settings, self.sep = settings, sep
+        self.members: frozenset[str] | None = None  # None: not read yet (every list is passed)
+        self.version = ""
         self._covered: dict[str, bool] = {}
 
-    def __call__(self, keys: list[str], full: bool) -> str:
+    def select(self, every: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        members = self.members
+        return every if members is None else [(k, c) for k, c in every if k in members or not self.covers(k)]
+
+    def moved(self, client: Any, version: object) -> None:
+        text = version.decode() if isinstance(version, bytes) else str(version or "")
+        if text != self.version or self.members is None:
+            found = client.smembers(self.settings.ready_key)
+            self.members = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in found)
+            self.version = text
+
+    def mask(self, keys: list[str], full: bool) -> str:
+        """The fetch script's mask: '1' for a list the index covers (asked only while indexed), '0' for one
+        always asked (the app's own queues, legacy queues), '2' for a covered list asked anyway (mended)."""
         return "".join(("2" if full else "1") if self.covers(key) else "0" for key in keys)
 
     def covers(self, key: str) -> bool:

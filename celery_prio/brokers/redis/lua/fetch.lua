@@ -28,16 +28,17 @@
 -- key and the index of lists with work ('' = none), then the bells of the tiers asked.
 -- ARGV: now, count, task name ('' = any), the worker's name, the mask (a '1' or '0' per list),
 -- then one tier label per list.
--- Returns {position of the list (1-based), version, message, delivery tag, message, tag, ...}
+-- Returns {position of the list (1-based), version, ready version, message, delivery tag, message, tag, ...}
 -- (the tag as cjson read it: Python may fail to decode what cjson accepts),
--- {0, version, n dead-lettered} when it stopped at its dead-letter budget,
--- or {-1, version} when all are empty.
+-- {0, version, ready version, n dead-lettered} when it stopped at its dead-letter budget,
+-- or {-1, version, ready version} when all are empty.
 --#include dead_entry
 
 local n = #ARGV - 5
 local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local version = redis.call('GET', KEYS[n + 6]) or ''
 local ready_key = KEYS[n + 7]
+local ready_version = ready_key ~= '' and (redis.call('GET', ready_key .. '.version') or '') or ''
 local indexed = {}  -- position -> in the index (only for lists the mask marks)
 if ready_key ~= '' and string.find(mask, '1', 1, true) then
   local asked = {}
@@ -51,15 +52,18 @@ if ready_key ~= '' and string.find(mask, '1', 1, true) then
 end
 if ready_key ~= '' and string.find(mask, '2', 1, true) then
   for i = 1, n do  -- a full ask mends the index for every list it covers, not only the one it takes from
-    if string.sub(mask, i, i) == '2' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('SADD', ready_key, KEYS[i]) end
+    if string.sub(mask, i, i) == '2' and redis.call('EXISTS', KEYS[i]) == 1
+       and redis.call('SADD', ready_key, KEYS[i]) == 1 then
+      ready_version = redis.call('INCR', ready_key .. '.version')
+    end
   end
 end
 local dead, dead_bytes = 0, 0
 for i = 1, n do
   local label = ARGV[5 + i]
-  local taken, taken_bytes = {i, version}, 0
+  local taken, taken_bytes = {i, version, ready_version}, 0
   if indexed[i] ~= false then  -- false: no work in it, by the index
-    while #taken < 2 + 2 * count do
+    while #taken < 3 + 2 * count do
       local raw = redis.call('LINDEX', KEYS[i], -1)
       if not raw then break end
       local ok, msg = pcall(cjson.decode, raw)
@@ -76,18 +80,18 @@ for i = 1, n do
         reason = 'malformed: headers are not an object'
       end
       if reason then
-        if #taken > 2 then break end  -- the batch so far goes first; the next fetch moves this aside
+        if #taken > 3 then break end  -- the batch so far goes first; the next fetch moves this aside
         redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, label, ARGV[1], KEYS[i]))
         redis.call('RPOP', KEYS[i])
         redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. label, 1)
         dead = dead + 1
         dead_bytes = dead_bytes + #raw
-        if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, dead} end
+        if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, ready_version, dead} end
       else
-        if task ~= '' and #taken > 2 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
+        if task ~= '' and #taken > 3 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
           break  -- a batch holds one task's calls only
         end
-        if #taken > 2 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
+        if #taken > 3 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
         taken_bytes = taken_bytes + #raw
         local tag = msg['properties']['delivery_tag']
         -- A restore (the worker died) returns it to the list it came from, not
@@ -105,10 +109,10 @@ for i = 1, n do
     -- Found empty: out of the index. One emptied by this take stays in it until a fetch finds it empty (one
     -- LINDEX then, where checking after every take would cost a command per task on a busy list).
     local full = string.sub(mask, i, i) == '2'
-    if (indexed[i] ~= nil or full) and #taken == 2 then redis.call('SREM', ready_key, KEYS[i]) end
-    if #taken > 2 then return taken end
+    if (indexed[i] ~= nil or full) and #taken == 3 then redis.call('SREM', ready_key, KEYS[i]) end
+    if #taken > 3 then return taken end
   end
 end
-if dead > 0 then return {0, version, dead} end
+if dead > 0 then return {0, version, ready_version, dead} end
 for b = n + 8, #KEYS do redis.call('DEL', KEYS[b]) end
-return {-1, version}
+return {-1, version, ready_version}

@@ -6,4 +6,5 @@ local missing = 0
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('SADD', KEYS[1], KEYS[i]) == 1 then missing = missing + 1 end
 end
+if missing > 0 then redis.call('INCR', KEYS[1] .. '.version') end
 return missing
