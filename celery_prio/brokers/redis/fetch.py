@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ...errors import ConfigError
 from ...policy.served import Candidate, ServedQueues
 from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
@@ -20,6 +19,7 @@ from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
 from .ready import FULL_ASK_INTERVAL, ReadyCopy, indexed_depths
 from .scripts import BELL_MAX, DEAD_LETTER, FETCH, HEARTBEAT, SCRIPT_BYTES
+from .server import check_server_version
 from .transport import UNSETTLED, registered_subqueues
 
 if TYPE_CHECKING:
@@ -440,20 +440,3 @@ class RedisFetchSource(BrokerFetchSource):
 #: heartbeat gives the housekeeper lease up (the loop is held: a task under the solo pool).
 LOOP_MARK_INTERVAL = 0.5
 LOOP_STALE_AFTER = 2.0
-
-#: The oldest Redis server the worker runs against: ``ZRANGE ... BYSCORE`` (kombu's restore, here) is 6.2's,
-#: and a doorbell wait's timeout in fractions of a second (``BLPOP``) 6.0's.
-MIN_REDIS = (6, 2)
-
-
-def check_server_version(version: object) -> None:
-    """``ConfigError`` naming the version found, on a server older than :data:`MIN_REDIS`."""
-    try:
-        found = tuple(int(x) for x in str(version).split(".")[:2])
-    except ValueError:
-        return  # a fork that reports something else: let it try
-    if found < MIN_REDIS:
-        raise ConfigError(
-            f"celery-prio needs Redis {'.'.join(map(str, MIN_REDIS))} or newer (ZRANGE BYSCORE, BLPOP with a "
-            f"fractional timeout); the broker runs Redis {version}"
-        )
