@@ -139,12 +139,14 @@ class RedisFetchSource(BrokerFetchSource):
         self, every: list[tuple[str, Candidate]]
     ) -> tuple[tuple[int, Message | None] | None, list[tuple[str, Candidate]]]:
         """The fetch over the lists of ``every`` that the ready index may hold; asked again at once when the
-        reply shows the index gained a list since this worker's copy (a first message in an empty list)."""
-        for _ in range(2):
+        reply shows the index gained a list since this worker's copy (a first message in an empty list): the
+        script takes nothing from a stale copy's lists, so a list that joined since is never passed over."""
+        for attempt in range(3):
             seen = self._ready.members
             asked = self._ready.select(every)
+            checked = self._ready.version if seen is not None and attempt < 2 else ""
             self.broker_calls += 1
-            hit = self.fetch([k for k, _ in asked], [c.tier for _, c in asked])
+            hit = self.fetch([k for k, _ in asked], [c.tier for _, c in asked], checked=checked)
             if hit is not None or self._ready.members is seen:
                 break
         return hit, asked
@@ -183,7 +185,9 @@ class RedisFetchSource(BrokerFetchSource):
             if not found:
                 self.on_arrival()
 
-    def fetch(self, keys: list[str], tiers: list[Tier], full: bool = False) -> tuple[int, Message | None] | None:
+    def fetch(
+        self, keys: list[str], tiers: list[Tier], full: bool = False, checked: str = ""
+    ) -> tuple[int, Message | None] | None:
         """``(index into keys, kombu Message)`` for the first non-empty key, or None when all are empty.
 
         ``(index, None)`` means elements were dead-lettered and nothing is
@@ -191,7 +195,7 @@ class RedisFetchSource(BrokerFetchSource):
         """
         if UNSETTLED:  # an ack refused a moment ago (a failover, no reconnect since): settled first
             self.settle_unsettled()
-        hit = self._fetch(keys, tiers, full=full)
+        hit = self._fetch(keys, tiers, full=full, checked=checked)
         if hit is None:
             return None
         position, messages = hit
@@ -213,9 +217,8 @@ class RedisFetchSource(BrokerFetchSource):
                 break  # the list ran out, or the next one is another task's: nothing more to take now
         return out
 
-    def _fetch(
-        self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True, full: bool = False
-    ) -> tuple[int, list[Message]] | None:
+    def _fetch(self, keys: list[str], tiers: list[Tier], count: int = 1, task: str = "", bells: bool = True,
+               full: bool = False, checked: str = "") -> tuple[int, list[Message]] | None:  # fmt: skip
         """``(index into keys, the kombu Messages taken from it)``; dead-lettered ones are left out (``(-1, [])``
         when the script moved only malformed elements aside); None when every key was empty."""
         channel = self.channel
@@ -232,13 +235,14 @@ class RedisFetchSource(BrokerFetchSource):
                 # Silenced when all is empty (a batch's top-up leaves them: it asks one queue only).
                 *((self.settings.bell_key(t) for t in dict.fromkeys(tiers)) if bells else ()),
             ],
-            args=[time.time(), count, task, self.worker_name, self._ready.mask(keys, full)] + [t.label for t in tiers],
+            args=[time.time(), count, task, self.worker_name, self._ready.mask(keys, full), checked]
+            + [t.label for t in tiers],
             client=channel.client,
         )
         position, version = int(reply[0]) - 1, reply[1]
         self._ready.moved(self.channel.client, reply[2])
         self._registry_moved(version or None, found=position != -2)
-        if position == -2:
+        if position in (-3, -2):  # -3: ``checked`` is older than the index, nothing taken (the copy was re-read)
             return None
         if position < 0:
             logger.error("celery-prio: moved %s malformed element(s) to %s", reply[3], self.settings.dead_letter_queue)

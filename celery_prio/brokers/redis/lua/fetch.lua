@@ -26,19 +26,22 @@
 -- KEYS: the lists in preference order, then the unacked hash, its index,
 -- the dead list, the stats hash, the owners hash, the registry's version
 -- key and the index of lists with work ('' = none), then the bells of the tiers asked.
--- ARGV: now, count, task name ('' = any), the worker's name, the mask (a '1' or '0' per list),
--- then one tier label per list.
+-- ARGV: now, count, task name ('' = any), the worker's name, the mask (a '1' or '0' per list), the ready
+-- version of the caller's copy of the index ('' = unchecked), then one tier label per list.
+-- A caller whose copy is older than the index is told so ({-2, version, ready version}) before anything is
+-- taken: a list that joined since (a shorter task's, a higher tier's) might otherwise be passed over.
 -- Returns {position of the list (1-based), version, ready version, message, delivery tag, message, tag, ...}
 -- (the tag as cjson read it: Python may fail to decode what cjson accepts),
 -- {0, version, ready version, n dead-lettered} when it stopped at its dead-letter budget,
 -- or {-1, version, ready version} when all are empty.
 --#include dead_entry
 
-local n = #ARGV - 5
+local n = #ARGV - 6
 local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local version = redis.call('GET', KEYS[n + 6]) or ''
 local ready_key = KEYS[n + 7]
 local ready_version = ready_key ~= '' and (redis.call('GET', ready_key .. '.version') or '') or ''
+if ARGV[6] ~= '' and ARGV[6] ~= ready_version then return {-2, version, ready_version} end
 local indexed = {}  -- position -> in the index (only for lists the mask marks)
 if ready_key ~= '' and string.find(mask, '1', 1, true) then
   local asked = {}
@@ -60,7 +63,7 @@ if ready_key ~= '' and string.find(mask, '2', 1, true) then
 end
 local dead, dead_bytes = 0, 0
 for i = 1, n do
-  local label = ARGV[5 + i]
+  local label = ARGV[6 + i]
   local taken, taken_bytes = {i, version, ready_version}, 0
   if indexed[i] ~= false then  -- false: no work in it, by the index
     while #taken < 3 + 2 * count do
