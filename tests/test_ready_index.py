@@ -131,3 +131,44 @@ def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_hou
     assert heal.run(source.channel) == 1 and heal.run(source.channel) == 0
     assert queue in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
     conn.release()
+
+
+def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_moves_them(redis_env):
+    """Work landing in an emptied tier list must not make every worker read the index again (each worker passes
+    the tier lists and lanes whatever its copy holds); a sub-queue's list joining must move the version, by
+    every path that can push into one (the publish script, kombu's restore), or a worker whose copy predates it
+    would pass it over for good."""
+    env = redis_env
+    s = settings_for(env.app)
+    client, version = adapter_client(env), lambda: client.get(s.ready_key + ".version")
+    conn, source = _source(env, "fetcher-v")
+    source._full_at = float("inf")
+    sleep = env.app.tasks["t.sleep"]
+    assert source.take(list(ORDER)).message is None  # the copy is read
+    before = version()
+    for i in range(3):
+        sleep.apply_async((f"b{i}", 0), tier="batch")
+        take = source.take(list(ORDER))
+        assert take.message.payload[0][0] == f"b{i}"
+        take.message.ack()
+        assert source.take(list(ORDER)).message is None  # found empty: out of the index, joins again next time
+        assert s.queue_name(Tier.BATCH) not in {m.decode() for m in client.smembers(s.ready_key)}
+    assert version() == before
+    sleep.apply_async(("sub", 0), tier="batch", subqueue="acme")
+    assert version() != before
+    take = source.take(list(ORDER))
+    if take.message is None:  # the tenant is new to the registry too: the reply shows it, asked again
+        take = source.take(list(ORDER))
+    assert take.message.payload[0][0] == "sub"
+    assert source.take(list(ORDER)).message is None  # the sub-queue's list leaves the index
+    conn2, other = _source(env, "fetcher-w")  # a second worker, its copy read now (without the list)
+    other._full_at = float("inf")
+    assert other.take(list(ORDER)).message is None
+    before = version()
+    source.channel.qos.restore_by_tag(take.message.delivery_tag, client=source.channel.client)  # kombu's restore
+    assert version() != before
+    again = other.take(list(ORDER))
+    assert again.message is not None and again.message.payload[0][0] == "sub"
+    again.message.ack()
+    conn.release()
+    conn2.release()

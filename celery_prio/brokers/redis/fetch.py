@@ -240,7 +240,7 @@ class RedisFetchSource(BrokerFetchSource):
             client=channel.client,
         )
         position, version = int(reply[0]) - 1, reply[1]
-        self._ready.moved(self.channel.client, reply[2])
+        self._ready.moved(self.channel.client, reply[2], reply[3] if position == -3 else None)
         self._registry_moved(version or None, found=position >= -1)  # -2: all empty, -3: nothing taken
         if position in (-3, -2):  # -3: ``checked`` is older than the index, nothing taken (the copy was re-read)
             return None

@@ -20,7 +20,7 @@ from ...headers import PROMOTED_SUFFIX
 from ...settings import PrioSettings
 from ...tiers import TIERS
 from .scripts import HEAL_READY
-from .transport import registered_subqueues
+from .transport import pinned_list, registered_subqueues
 
 if TYPE_CHECKING:
     from kombu.transport.redis import Channel as RedisChannel
@@ -61,24 +61,26 @@ class ReadyHeal:
 
 class ReadyCopy:
     """A worker's copy of the ready index, read again (``SMEMBERS``) when a fetch reply shows its version moved
-    (a list joined it): the fetch script is passed only the lists the copy holds, and those the index does not
-    cover, so what one fetch sends does not grow with the lists a worker serves. A stale copy only ever misses
-    lists that joined since; the fetch that shows it is asked again at once (``RedisFetchSource.take``)."""
+    (a sub-queue's list joined it): the fetch script is passed only the sub-queue lists the copy holds, the tier
+    lists and lanes (``transport.pinned_list``), and those the index does not cover, so what one fetch sends
+    does not grow with the sub-queues a worker serves. A stale copy only ever misses sub-queue lists that joined
+    since; the fetch that shows it is asked again at once (``RedisFetchSource.take``)."""
 
     def __init__(self, settings: PrioSettings, sep: str) -> None:
         self.settings, self.sep = settings, sep
         self.members: frozenset[str] | None = None  # None: not read yet (every list is passed)
         self.version = ""
-        self._covered: dict[str, bool] = {}
+        self._kinds: dict[str, str] = {}  # list -> 'uncovered', 'pinned' or 'sub-queue'
 
     def select(self, every: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         members = self.members
-        return every if members is None else [(k, c) for k, c in every if k in members or not self.covers(k)]
+        return every if members is None else [(k, c) for k, c in every if k in members or self.passed(k)]
 
-    def moved(self, client: Any, version: object) -> None:
+    def moved(self, client: Any, version: object, members: Any = None) -> None:
+        """A fetch reply saw the index at ``version`` (and, when it refused a stale copy, its ``members``)."""
         text = version.decode() if isinstance(version, bytes) else str(version or "")
         if text != self.version or self.members is None:
-            found = client.smembers(self.settings.ready_key)
+            found = client.smembers(self.settings.ready_key) if members is None else members
             self.members = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in found)
             self.version = text
 
@@ -88,11 +90,23 @@ class ReadyCopy:
         return "".join(("2" if full else "1") if self.covers(key) else "0" for key in keys)
 
     def covers(self, key: str) -> bool:
-        covered = self._covered.get(key)
-        if covered is None:
+        return self._kind(key) != "uncovered"
+
+    def passed(self, key: str) -> bool:
+        """Passed to every fetch whatever the copy holds: a list the index does not cover, or a tier list or
+        front lane (one joining does not move the index's version, ``lua/mark_ready.lua``)."""
+        return self._kind(key) != "sub-queue"
+
+    def _kind(self, key: str) -> str:
+        kind = self._kinds.get(key)
+        if kind is None:
             queue = key.split(self.sep, 1)[0]  # kombu's priority lists: "<queue><sep><priority>"
-            covered = self._covered[key] = self.settings.is_indexed(queue)
-        return covered
+            if not self.settings.is_indexed(queue):
+                kind = "uncovered"
+            else:
+                kind = "pinned" if pinned_list(self.settings.ready_key, key) else "sub-queue"
+            self._kinds[key] = kind
+        return kind
 
 
 def indexed_depths(client: Any, settings: PrioSettings, names: list[str]) -> list[int]:

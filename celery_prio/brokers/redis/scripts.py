@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 
+from ...headers import PROMOTED_SUFFIX
+
 #: Bytes of messages one script call reads at most where it walks a list (requeue, boost scan, the
 #: fetch's dead-lettering): a few ms of Redis, and little Lua memory, whatever the messages' size.
 SCRIPT_BYTES = 4 * 1024 * 1024
@@ -44,6 +46,7 @@ _CONSTANTS = {
     "EVICT_BUDGET": EVICT_BUDGET,
     "FETCH_DEAD_BUDGET": FETCH_DEAD_BUDGET,
     "BOOST_SCAN_BUDGET": BOOST_SCAN_BUDGET,
+    "PROMOTED_SUFFIX": PROMOTED_SUFFIX,
 }
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.M)
 _CONSTANT = re.compile(r"\$\{(\w+)\}")
@@ -71,3 +74,5 @@ BOOST_HELD = load("boost_held")
 HEARTBEAT = load("heartbeat")
 SWEEP_DEAD_OWNERS = load("sweep_dead_owners")
 HEAL_READY = load("heal_ready")
+#: One list joins the ready index (a push made outside a script: the transport's pipelines and kombu's restore).
+MARK_READY = load("mark_ready") + "mark_ready(KEYS[1], KEYS[2])\n"

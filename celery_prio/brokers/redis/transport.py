@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...errors import QueueFull
 from ...headers import PROMOTED_SUFFIX
 from ...tiers import parse_tier
-from .scripts import BELL_MAX, GUARDED_PUSH
+from .scripts import BELL_MAX, GUARDED_PUSH, MARK_READY
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -137,7 +137,7 @@ class Channel(kombu_redis.Channel):
                 pipe = client.pipeline(transaction=True)
                 target = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
                 pipe.lpush(target, dumps(message))
-                self._mark_ready(pipe.sadd, queue, target)
+                self._mark_ready(_on(pipe), queue, target)
                 pipe.set(key, generation, ex=ttl)
                 if bell:  # the continuation's tier: an idle worker takes it at once
                     pipe.lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1)
@@ -154,9 +154,7 @@ class Channel(kombu_redis.Channel):
             # Uncapped: kombu's batching keeps pipelining it, and the tier's doorbell rings in the same pipeline.
             super()._put(queue, message, **kwargs)
             self._mark_ready(
-                lambda index, key: batch.add("sadd", index, key),
-                queue,
-                self._q_for_pri(queue, self._get_message_priority(message, reverse=False)),
+                batch.add, queue, self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
             )
             bell = bell_key(options, tier)
             if bell:
@@ -210,22 +208,27 @@ class Channel(kombu_redis.Channel):
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         if batch is not None:  # kombu's Producer.batch(): the bell joins its pipeline
             super()._put(queue, message, **kwargs)
-            self._mark_ready(lambda index, k: batch.add("sadd", index, k), queue, key)
+            self._mark_ready(batch.add, queue, key)
             batch.add("lpush", bell, 1)
             batch.add("ltrim", bell, 0, BELL_MAX - 1)
             return None
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False).lpush(key, dumps(message))
-            self._mark_ready(pipe.sadd, queue, key)  # a front lane's push (a resumed task)
+            self._mark_ready(_on(pipe), queue, key)  # a front lane's push (a resumed task)
             pipe.lpush(bell, 1).ltrim(bell, 0, BELL_MAX - 1).execute()
         return None
 
     def _mark_ready(self, add: Any, queue: str, key: str) -> None:
-        """``add(index, key)``: ``key`` (a list of ``queue``) joins the ready index, where ``queue`` is a tier
-        queue, front lane or sub-queue (``lua/fetch.lua`` asks those only while indexed)."""
+        """``add(command, *args)`` queues the command by which ``key`` (a list of ``queue``) joins the ready index,
+        where ``queue`` is a tier queue, front lane or sub-queue (``lua/fetch.lua`` asks those only while
+        indexed): a plain ``SADD`` for a tier list or lane; for a sub-queue's, the script that also bumps the
+        index's version when it joins (``lua/mark_ready.lua``: workers pass the fetch only the sub-queue lists
+        their copy holds, and read it again when the version moves)."""
         index = ready_of(self.connection.client.transport_options, queue)
-        if index:
-            add(index, key)
+        if index and pinned_list(index, key):
+            add("sadd", index, key)
+        elif index:
+            add("eval", MARK_READY, 2, index, key)
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
         """kombu's restore (a worker gone, a visibility timeout), and the list it refills joins the ready index
@@ -233,7 +236,7 @@ class Channel(kombu_redis.Channel):
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
         for queue in self._lookup(exchange, routing_key):
             key = self._q_for_pri(queue, self._get_message_priority(payload, reverse=False))
-            self._mark_ready(pipe.sadd, queue.split(self.sep, 1)[0], key)
+            self._mark_ready(_on(pipe), queue.split(self.sep, 1)[0], key)
 
 
 #: kombu's remote-control reply queues (``<id>.reply.celery.pidbox``).
@@ -293,6 +296,22 @@ def ready_of(options: dict, queue: str) -> str:
     """The ready index ``queue``'s lists join when pushed to (a tier queue, front lane or sub-queue), or ``''``."""
     indexed = cap_rule(options, queue.removesuffix(PROMOTED_SUFFIX)) is not None
     return options.get("prio_ready_key", "") if indexed else ""
+
+
+def pinned_list(index: str, key: str) -> bool:
+    """Whether ``key`` (a list the ready index ``index`` covers) is a tier list or front lane, which every worker
+    passes to its fetch whatever its copy of the index holds (one joining does not move the index's version);
+    the same reading as ``lua/mark_ready.lua``'s."""
+    if "\x06" in key:  # kombu's list of a message priority ("<list>\x06\x16<n>"): rare, not pinned
+        return False
+    rest = key[len(index) - len("ready") :]  # after "<prefix>."
+    dot = rest.find(".")
+    return dot < 0 or rest[dot:] == PROMOTED_SUFFIX
+
+
+def _on(pipe: Any) -> Any:
+    """``add(command, *args)`` onto a redis-py pipeline (as kombu's ``PublishBatch.add`` takes them)."""
+    return lambda name, *args: getattr(pipe, name)(*args)
 
 
 def registered_subqueues(client: Redis, registry: str) -> list[str]:

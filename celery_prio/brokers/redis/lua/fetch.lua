@@ -28,7 +28,8 @@
 -- key and the index of lists with work ('' = none), then the bells of the tiers asked.
 -- ARGV: now, count, task name ('' = any), the worker's name, the mask (a '1' or '0' per list), the ready
 -- version of the caller's copy of the index ('' = unchecked), then one tier label per list.
--- A caller whose copy is older than the index is told so ({-2, version, ready version}) before anything is
+-- A caller whose copy is older than the index is told so ({-2, version, ready version, the index's members}:
+-- its copy read again in the same round trip) before anything is
 -- taken: a list that joined since (a shorter task's, a higher tier's) might otherwise be passed over.
 -- Returns {position of the list (1-based), version, ready version, message, delivery tag, message, tag, ...}
 -- (the tag as cjson read it: Python may fail to decode what cjson accepts),
@@ -40,8 +41,11 @@ local n = #ARGV - 6
 local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local version = redis.call('GET', KEYS[n + 6]) or ''
 local ready_key = KEYS[n + 7]
-local ready_version = ready_key ~= '' and (redis.call('GET', ready_key .. '.version') or '') or ''
-if ARGV[6] ~= '' and ARGV[6] ~= ready_version then return {-2, version, ready_version} end
+-- '0' before any list ever joined: a copy read then is checked like any other ('' would mean unchecked)
+local ready_version = ready_key ~= '' and (redis.call('GET', ready_key .. '.version') or '0') or ''
+if ARGV[6] ~= '' and ARGV[6] ~= ready_version then
+  return {-2, version, ready_version, redis.call('SMEMBERS', ready_key)}  -- the copy, new, in the same reply
+end
 local indexed = {}  -- position -> in the index (only for lists the mask marks)
 if ready_key ~= '' and string.find(mask, '1', 1, true) then
   local asked = {}
