@@ -146,8 +146,8 @@ class _SliceRun:
         self.checked_at = now
         app = self.task.app
         for tier in preemptors:  # highest first
-            try:
-                waiting = _continuations(app).waiting(tier)
+            try:  # in its queues, and pushed to this worker waiting for a slot (not in the queues' count)
+                waiting = _continuations(app).waiting(tier) + self.board.held(tier)
             except Exception:  # the broker is unreachable now: running on is always safe
                 logger.debug("celery-prio: could not ask the broker whether %s waits", tier.label, exc_info=True)
                 return False

@@ -12,6 +12,7 @@ import time
 from celery_prio import settings_for
 from celery_prio.brokers.redis.fetch import RedisFetchSource
 from celery_prio.brokers.redis.ready import ReadyHeal
+from celery_prio.brokers.redis.scripts import READY_LINGER
 from celery_prio.policy.served import ServedQueues
 from celery_prio.tiers import TIERS, Tier
 from tests.test_untrusted import message
@@ -137,7 +138,8 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     """Work landing in an emptied tier list must not make every worker read the index again (each worker passes
     the tier lists and lanes whatever its copy holds); a sub-queue's list joining must move the version, by
     every path that can push into one (the publish script, kombu's restore), or a worker whose copy predates it
-    would pass it over for good."""
+    would pass it over for good. A sub-queue's list found empty lingers in the index for ``READY_LINGER`` (work
+    coming back meanwhile moves nothing), then leaves it."""
     env = redis_env
     s = settings_for(env.app)
     client, version = adapter_client(env), lambda: client.get(s.ready_key + ".version")
@@ -160,7 +162,19 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     if take.message is None:  # the tenant is new to the registry too: the reply shows it, asked again
         take = source.take(list(ORDER))
     assert take.message.payload[0][0] == "sub"
-    assert source.take(list(ORDER)).message is None  # the sub-queue's list leaves the index
+    members = lambda: {m.decode() for m in client.smembers(s.ready_key)}  # noqa: E731
+    acme = s.subqueue_name(Tier.BATCH, "acme")
+    assert source.take(list(ORDER)).message is None  # found empty: the sub-queue's list lingers in the index
+    assert acme in members()
+    before = version()
+    sleep.apply_async(("sub2", 0), tier="batch", subqueue="acme")  # work again while it lingers: no move
+    assert version() == before
+    second = source.take(list(ORDER))
+    assert second.message.payload[0][0] == "sub2"
+    second.message.ack()
+    time.sleep(READY_LINGER + 0.2)
+    assert source.take(list(ORDER)).message is None  # found empty past the linger: out of the index
+    assert acme not in members()
     conn2, other = _source(env, "fetcher-w")  # a second worker, its copy read now (without the list)
     other._full_at = float("inf")
     assert other.take(list(ORDER)).message is None

@@ -136,6 +136,11 @@ class FetchSource(ABC, Generic[M]):
     #: worker that wait for a slot. A source that only pulls holds none.
     held = 0
 
+    def held_by_tier(self) -> Mapping[Tier, int]:
+        """``held`` per tier: a sliced task asks the broker whether a tier waits, and these are not in its queues
+        any more (delivered, unacked), so the worker tells it through the slice board."""
+        return {}
+
     def stop(self) -> None:
         """The worker stops fetching (warm shutdown, cancel): give back whatever the source holds."""
 

@@ -99,7 +99,7 @@ class PrioTasks(bootsteps.StartStopStep):
             return {"prefetch_count": "N/A"}
         # Flower reads prefetch_count; the honest figure is the slot bound. Flower shows the other keys
         # as rows of its worker page: one readable line per tier (inspect prio_stats has the full report).
-        return {"prefetch_count": fetcher.runtime.scheduler.concurrency, **readable_rows(fetcher.report())}
+        return {"prefetch_count": fetcher.runtime.scheduler.concurrency, **readable_rows(fetcher.report(on_loop=True))}
 
 
 def reserve_line(reserve: int, concurrency: int, served: list[Tier]) -> str:

@@ -26,6 +26,7 @@ class FleetWatch:
         self.source, self.served, self.settings = source, served, settings
         self.idle = idle  # every queue this worker serves was found empty and nothing runs
         self.figures = BrokerFigures()
+        self._wanted = True  # a report was read since the figures were (the first read is at start)
         self.unserved = UnservedTracker()
         self._unserved_log = EveryMinute()
         self._discovery_log = EveryMinute()
@@ -64,11 +65,27 @@ class FleetWatch:
                 "; ".join(f"{r.queue} ({r.depth} waiting, {r.seconds:.0f} s, tier {r.tier})" for r in rows),
             )
 
+    def wanted(self) -> None:
+        """Someone read the report (any thread): the figures are read again at the next ``read_figures``."""
+        self._wanted = True
+
     def read_figures(self) -> None:
-        """Broker-wide figures for the report. While the worker is idle (every queue it serves found empty,
-        waiting on the broker) their depths are known to be zero and are not asked: an idle worker reads only
-        the counters and the dead letters."""
-        self.figures = self.source.broker_figures(time.monotonic(), idle=self.idle())
+        """Broker-wide figures for the report, read only when a report was read since the last time: a fleet
+        nobody watches asks its broker nothing for them (per worker, a depth read is one call per queue it
+        serves; on a busy fleet of many workers, read every few seconds, they were a good share of RabbitMQ's
+        work per task). While the worker is idle (every queue it serves found empty, waiting on the broker)
+        their depths are known to be zero and are not asked: an idle worker reads only the counters and the
+        dead letters."""
+        if self._wanted:
+            self._wanted = False
+            self.figures = self.source.broker_figures(time.monotonic(), idle=self.idle())
+
+    def fresh_figures(self, within: float) -> BrokerFigures:
+        """The figures, read again first if older than ``within`` seconds (on the worker's loop only)."""
+        if time.monotonic() - self.figures.read_at > within:
+            self._wanted = True
+            self.read_figures()
+        return self.figures
 
 
 __all__ = ["FleetWatch"]

@@ -39,8 +39,9 @@ from contextlib import contextmanager
 from ..tiers import TIERS, Tier
 
 # Per tier: asked_at (monotonic seconds), yields (count), preemptors (bit mask of tiers),
-# waiting (its tasks blocked in celery_prio.wait on other tasks).
-_TIER = struct.Struct("=dqqq")
+# waiting (its tasks blocked in celery_prio.wait on other tasks), held (its messages pushed to the main
+# process, waiting in its hand for a slot: RabbitMQ no longer counts them in their queue).
+_TIER = struct.Struct("=dqqqq")
 # Global: pending yields (since the main process last refilled), tier yielded for (+1; 0 none).
 _GLOBAL = struct.Struct("=qq")
 _SIZE = _GLOBAL.size + _TIER.size * len(TIERS)
@@ -63,8 +64,8 @@ class SliceBoard:
         return _TIER.unpack_from(self._mem, self._tier_offset(tier))[:3]
 
     def _write_tier(self, tier: Tier, asked_at: float, yields: int, preemptors: int) -> None:
-        waiting = _TIER.unpack_from(self._mem, self._tier_offset(tier))[3]
-        _TIER.pack_into(self._mem, self._tier_offset(tier), asked_at, yields, preemptors, waiting)
+        waiting, held = _TIER.unpack_from(self._mem, self._tier_offset(tier))[3:]
+        _TIER.pack_into(self._mem, self._tier_offset(tier), asked_at, yields, preemptors, waiting, held)
 
     def _add_waiting(self, tier: Tier, delta: int) -> None:
         with self._lock:
@@ -91,6 +92,11 @@ class SliceBoard:
             self._write_tier(tier, asked_at, yields + 1, preemptors)
             return True
 
+    def held(self, tier: Tier) -> int:
+        """``tier``'s messages the main process holds for a slot (pushed to it: not in the broker's count)."""
+        with self._lock:
+            return int(_TIER.unpack_from(self._mem, self._tier_offset(tier))[4])
+
     def enter_wait(self, tier: Tier) -> None:
         """A task of ``tier`` blocks in ``celery_prio.wait`` (priority inheritance): it holds a slot, runs nothing."""
         self._add_waiting(tier, 1)
@@ -108,6 +114,14 @@ class SliceBoard:
         """Tiers whose sliced tasks looked at the board at or after ``since``."""
         with self._lock:
             return [t for t in TIERS if self._read_tier(t)[0] >= since]
+
+    def set_held(self, held: Mapping[Tier, int]) -> None:
+        """Per tier, the messages the main process holds for a slot now."""
+        with self._lock:
+            for tier in TIERS:
+                fields = list(_TIER.unpack_from(self._mem, self._tier_offset(tier)))
+                fields[4] = max(int(held.get(tier, 0)), 0)
+                _TIER.pack_into(self._mem, self._tier_offset(tier), *fields)
 
     def set_preemptors(self, preemptors: Mapping[Tier, Iterable[Tier]]) -> None:
         """Per running sliced tier, the tiers it yields to when they have work (absent: none)."""

@@ -3,15 +3,18 @@
 Every ``SLICE_CHECK_INTERVAL`` while tasks run, and not at all while none
 does (a task's start arms it again): an idle worker's event loop sleeps. No
 broker call here: the board is memory shared with the pool children, and a
-sliced task asks the broker itself (``slices.py``).
+sliced task asks the broker itself (``slices.py``), adding what this worker
+holds in hand (RabbitMQ pushed it here: its queue no longer counts it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..policy.scheduler import TierScheduler
+from ..tiers import Tier
 from .fetchloop import FetchLoop
 from .slice_board import SliceBoard
 
@@ -26,8 +29,16 @@ SLICE_ACTIVE_WINDOW = 10.0
 
 
 class SlicePreemption:
-    def __init__(self, board: SliceBoard, scheduler: TierScheduler, loop: FetchLoop, hub: Hub) -> None:
+    def __init__(
+        self,
+        board: SliceBoard,
+        scheduler: TierScheduler,
+        loop: FetchLoop,
+        hub: Hub,
+        held: Callable[[], Mapping[Tier, int]] = dict,
+    ) -> None:
         self.board, self.scheduler, self.loop, self.hub = board, scheduler, loop, hub
+        self.held = held  # per tier, messages pushed to this worker that wait for a slot (the source's hand)
         self._timer: Any = None  # the next check, while tasks run
 
     def arm(self) -> None:
@@ -49,6 +60,8 @@ class SlicePreemption:
         sliced = self.board.active_tiers(time.monotonic() - SLICE_ACTIVE_WINDOW)
         preemptors = self.scheduler.preemptors(sliced, self.loop.ledger.overrun(self.loop.clock())) if sliced else {}
         self.board.set_preemptors(preemptors)
+        if preemptors:
+            self.board.set_held(self.held())
         if len(self.loop.ledger) and self.loop.active:
             self._timer = self.hub.call_later(SLICE_CHECK_INTERVAL, self._check)
 

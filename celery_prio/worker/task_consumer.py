@@ -123,12 +123,13 @@ class TierFetcher:
         self.runtime.intake.dead_letter(message, reason)
 
     # -- reporting -----------------------------------------------------------
-    def report(self) -> WorkerReport:
-        """No broker call: safe from the metrics thread."""
-        return self.runtime.report()
+    def report(self, on_loop: bool = False) -> WorkerReport:
+        """No broker call unless ``on_loop`` (the caller runs on the worker's loop): safe from the metrics thread."""
+        return self.runtime.report(on_loop)
 
     def info(self) -> dict[str, object]:
-        return self.report().as_dict()
+        """For ``inspect prio_stats`` (run on the worker's loop: the broker's figures read now if stale)."""
+        return self.report(on_loop=True).as_dict()
 
 
 __all__ = ["TierFetcher"]

@@ -103,7 +103,7 @@ class WorkerRuntime:
         )  # fmt: skip
         self.intake.deadline = settings.realtime_deadline
         self.watch = FleetWatch(self.source, self.served, settings, self._idle)
-        self.slices = SlicePreemption(self.board, self.scheduler, self.loop, hub)
+        self.slices = SlicePreemption(self.board, self.scheduler, self.loop, hub, self.source.held_by_tier)
         self.housekeeping = Housekeeping(hub)
         self._settle_scheduled = False
         self._serve_known_subqueues()
@@ -206,13 +206,20 @@ class WorkerRuntime:
         self.served.batch_ran(queue, len(batch.requests))
         self.slot_freed()
 
-    def report(self) -> WorkerReport:
-        """No broker call: safe from the metrics thread."""
+    def report(self, on_loop: bool = False) -> WorkerReport:
+        """The worker's report. From the metrics thread (``on_loop`` False) no broker call: the broker's figures
+        as last read, and read again within ``FIGURES_INTERVAL`` for the next reader. On the worker's loop (a
+        control command, ``inspect stats``) they are read now if older than that."""
+        if on_loop:
+            figures = self.watch.fresh_figures(FIGURES_INTERVAL)
+        else:
+            figures = self.watch.figures
+            self.watch.wanted()
         return build_report(
             self.scheduler,
             self.stats,
             self.served,
-            self.watch.figures,
+            figures,
             self.source.broker_calls,
             time.monotonic(),
             yields=self.board.yields(),

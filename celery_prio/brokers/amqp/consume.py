@@ -30,7 +30,11 @@ and the scheduler still picks among tiers:
   back to its queue (``basic_reject`` with requeue), so another worker can
   run it. That happens when every slot is busy or the scheduler wants other
   tiers. Its queue's consumers are then cancelled, and they start again when
-  a slot asks for that tier.
+  a slot asks for that tier and no queue before it has a message on its way
+  (one would take the slot, and the called-back message would be held and
+  given back again: on a busy fleet of one-slot workers that round cost
+  RabbitMQ a consume, a delivery, a reject and a cancel per worker every
+  ``prio_hold_max``).
 
 Everything here runs on the worker's event loop. Deliveries arrive from
 inside the connection's ``drain_events`` and only land in the hand.
@@ -83,11 +87,21 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._hand: dict[str, deque[tuple[Any, float, str]]] = {}  # queue -> (message, arrived, its consumer)
         self._parked: set[str] = set()  # gave a message back: no consumer until a slot asks for its tier
         self._held = 0  # messages in all hands (a count: the metrics thread reads it while the loop runs)
+        self._held_tier: dict[Tier, int] = {}  # the same per tier (for sliced tasks deciding whether to yield)
+        self._deferred = False  # the last take left a parked queue parked (a push before it may be coming)
 
     @property
     def held(self) -> int:
         """Messages in hand now: delivered to this worker, not yet given to Celery (safe from any thread)."""
         return self._held
+
+    def held_by_tier(self) -> Mapping[Tier, int]:
+        return self._held_tier
+
+    def _count_held(self, name: str, delta: int) -> None:
+        self._held += delta
+        tier = self.served.tier_of(name)
+        self._held_tier[tier] = self._held_tier.get(tier, 0) + delta
 
     # -- consumers ---------------------------------------------------------------
     def _keep_consumers(self) -> None:
@@ -157,7 +171,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         hand, self._hand[name] = self._hand[name], deque()
         for tag in [*out, *(tag for _, _, tag in hand)]:
             self._cancel(tag)
-        self._held -= len(hand)
+        self._count_held(name, -len(hand))
         for raw, _, _ in hand:
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
 
@@ -175,7 +189,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
             return
         self._hand[name].append((raw, time.monotonic(), tag))
-        self._held += 1
+        self._count_held(name, 1)
         self.on_arrival()
 
     def _cancelled_by_broker(self, tag: str) -> None:
@@ -194,6 +208,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._follow_registry()
         self._keep_consumers()
         now = time.monotonic()
+        self._deferred = False
         plan: list[tuple[Tier, str]] = []  # queues to basic_get, in asking order, before the first one in hand
         pending: set[str] = set()  # pushed queues whose next message may be on its way (asked only if needed)
         idle: list[tuple[Tier, str]] = []  # pushed queues with nothing in hand nor on its way: empty
@@ -208,6 +223,12 @@ class AmqpConsumeSource(AmqpFetchSource):
                 elif self._hand[name]:
                     held = (tier, name)
                     break
+                elif name in self._parked and pending:
+                    # A queue before it may have its next message on the way: that one takes the slot, so this
+                    # queue's messages are not called back yet (each would be held, then given back again).
+                    # Not known to be empty either; the loop polls until the push comes or the wait runs out.
+                    self._deferred = True
+                    coming.add(tier)
                 elif name in self._parked or any(now - t < self._pending_window for t in self._out[name].values()):
                     if name in self._parked:  # a slot asks for this tier again: its messages come pushed
                         self._parked.discard(name)
@@ -235,7 +256,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         if found is None and held is not None:
             tier, name = held
             raw, _, tag = self._hand[name].popleft()
-            self._held -= 1
+            self._count_held(name, -1)
             target = self.free_slots() - 1  # this message takes one of the free slots
             if self._settles_late(raw) or self._consumers(name) + 1 > max(target, 1):  # + 1: the taken one's
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
@@ -252,7 +273,7 @@ class AmqpConsumeSource(AmqpFetchSource):
     def wait_for_work(self, order: list[Tier]) -> bool:
         """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll). Otherwise (more queues
         than ``PUSH_MAX``, or one not known to exist) the loop polls, as it does for ``basic_get``."""
-        return all(name in self.pushed for name in self._queues_of(order))
+        return not self._deferred and all(name in self.pushed for name in self._queues_of(order))
 
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:

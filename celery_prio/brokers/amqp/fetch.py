@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import amqp
-from amqp.exceptions import ChannelError
 
 from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
 from ...policy.admission import REFUSAL_COUNTERS
@@ -16,7 +15,7 @@ from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
-from .fleet_figures import TICK_INTERVAL, FleetFigures, declare_record_queue, read_fleet_record
+from .fleet_figures import TICK_INTERVAL, FleetFigures
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
 from .registry import Presence, ProbeChannel, RegistryFollower, existing_depths, serving_counts
@@ -47,6 +46,8 @@ IDLE_PROBE_BUDGET = 200.0
 JOURNAL_READ_TRIES = 3
 #: At most this many ``basic_get`` in one round trip (queues found empty, then one that had work).
 PIPELINE_MAX = 8
+#: A fleet's record read this recently (by the lease's look) serves the report's refusal counts.
+RECORD_READ_WITHIN = 1.0
 
 
 def _empty_tiers(asked: list[tuple[Tier, str]], before: Tier | None) -> tuple[Tier, ...]:
@@ -97,6 +98,7 @@ class AmqpFetchSource(BrokerFetchSource):
         self._hub: Any = None
         self._recheck: Any = None  # the idle safety net's timer
         self._probe = ProbeChannel()  # depth reads, kept open
+        self._fleet_figures: FleetFigures | None = None  # where a wait budget shares the fleet's figures
 
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: tier by tier, each tier's queues as ``ServedQueues`` orders them.
@@ -316,22 +318,14 @@ class AmqpFetchSource(BrokerFetchSource):
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
         if all(budget is None for budget in self.settings.max_wait.values()):
             return []
-        figures = FleetFigures(self.settings, self.served, lambda: self.slots)
+        figures = self._fleet_figures = FleetFigures(self.settings, self.served, lambda: self.slots)
         return [Job(TICK_INTERVAL, lambda: figures.tick(self.channel.connection), "share admission figures")]
 
     def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
         """With the refusals the publishers counted, from the fleet's record (where a wait budget keeps one)."""
         figures = super().broker_figures(now, idle)
-        if any(budget is not None for budget in self.settings.max_wait.values()):
-            probe = self.channel.connection.channel()  # an error reply closes this channel, not the fetch one
-            try:
-                declare_record_queue(probe, self.settings)
-                record = read_fleet_record(probe, self.settings)
-            except ChannelError:  # the record's queue unavailable (its node down on a cluster): no counts now
-                record = None
-            finally:
-                if probe.is_open:
-                    probe.close()
+        if self._fleet_figures is not None:  # on the channel the figures are shared on (an error reply closes it)
+            record = self._fleet_figures.fleet_record(self.channel.connection, within=RECORD_READ_WITHIN)
             if record is not None:
                 figures.counters, figures.kept = record.counters, REFUSAL_COUNTERS
         return figures

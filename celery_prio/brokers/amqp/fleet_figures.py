@@ -11,8 +11,11 @@ write and a publisher read in one call, so:
 * **The housekeeper** is the worker whose connection declared that queue
   ``exclusive``: RabbitMQ lets no other connection declare or consume it
   while that connection lives, and deletes it when the connection closes,
-  so the lease needs no clock and ends with its holder (the others try again
-  every ``LEASE_RETRY``). It consumes the reports and every
+  so the lease needs no clock and ends with its holder (the others look
+  when a report of theirs comes back unroutable, its queue gone: reports go
+  ``mandatory``, so the look costs no call, where trying every few seconds
+  cost RabbitMQ a channel and an error reply per worker; at most every
+  ``LEASE_RETRY``). It consumes the reports and every
   ``REPORT_INTERVAL`` publishes the fleet's record (slots summed over the
   workers heard from within ``REPORT_FRESH``; each queue's estimate their
   mean) to ``<prefix>.admission``. Both send sooner (within
@@ -23,9 +26,11 @@ write and a publisher read in one call, so:
   publishers soon admit by the cap alone. Publishers read it with
   ``basic_get`` and put it back (``admission.py``).
 
-A report sent while there is no housekeeper is unroutable and dropped:
-nothing is lost but a figure, sent again half a second later. Broker cost:
-one small message per worker every ``REPORT_INTERVAL``, and one record.
+A report sent while there is no housekeeper comes back unroutable and is
+dropped: nothing is lost but a figure, sent again two seconds later. Broker
+cost: one small message per worker every ``KEEPALIVE`` (every
+``REPORT_INTERVAL`` while its figures move by more than ``DRIFT_FACTOR``),
+and one record; the record is read by a worker only for a report someone asked for.
 """
 
 from __future__ import annotations
@@ -58,11 +63,15 @@ REPORT_INTERVAL = 0.5
 TICK_INTERVAL = 0.01
 #: With nothing changed (an idle worker), a report or record goes this often: the record stays fresh, and a
 #: worker's slots counted, for a few times as long (``REPORT_FRESH``, ``RECORD_TTL_MS``).
-KEEPALIVE = 1.0
+KEEPALIVE = 2.0
+#: An estimate that moved by less than this factor, or this many seconds, since it was sent waits for the
+#: ``KEEPALIVE`` pace.
+DRIFT_FACTOR = 1.1
+DRIFT_FLOOR = 0.001
 #: A worker not heard from for this long no longer counts (its slots leave the sum).
-REPORT_FRESH = 3.0
+REPORT_FRESH = 5.0
 #: How long the record lives unrenewed: a housekeeper gone, publishes admit by the cap alone after it.
-RECORD_TTL_MS = 3000
+RECORD_TTL_MS = 5000
 #: After an error reply, the figures are not shared for this long (one warning, not one per tick).
 PAUSE_AFTER_ERROR = 5.0
 #: How often a worker that is not the housekeeper tries to become it.
@@ -98,6 +107,19 @@ def read_fleet_record(channel: AmqpChannel, settings: PrioSettings) -> FleetReco
         return None
 
 
+def _moved(sent: FleetRecord | None, now: FleetRecord) -> bool:
+    """Worth sending at the ``REPORT_INTERVAL`` pace: slots or counts changed, a queue measured for the first
+    time, or an estimate that moved by ``DRIFT_FACTOR`` and ``DRIFT_FLOOR`` (a busy worker's estimates move a
+    little with every run; each small move would be a message every ``REPORT_INTERVAL`` from every worker)."""
+    if sent is None or (sent.slots, sent.counters) != (now.slots, now.counters):
+        return True
+    for name, each in now.estimates.items():
+        before = sent.estimates.get(name)
+        if before is None or abs(each - before) > max(before * (DRIFT_FACTOR - 1), DRIFT_FLOOR):
+            return True
+    return False
+
+
 class FleetFigures:
     """One worker's side: its report, and the housekeeper's record while it holds the lease."""
 
@@ -110,6 +132,7 @@ class FleetFigures:
         self._connection: Any = None  # the connection the channels below live on
         self._channel: Any = None
         self._retry_at = 0.0
+        self._unrouted = True  # a report came back unroutable: no housekeeper's queue (none sent yet: unknown)
         self._reports: dict[str, tuple[float, FleetRecord]] = {}  # worker key -> (heard at, its report)
         self._sent: FleetRecord | None = None  # what this worker last sent (its report, or the fleet's record)
         self._sent_at = float("-inf")
@@ -118,6 +141,8 @@ class FleetFigures:
         self.counters: dict[str, int] = {}  # refusals the publishers counted (housekeeper), carried in the record
         self._report: FleetRecord | None = None  # own_report's, for _report_state
         self._report_state: tuple = ()
+        self._record: FleetRecord | None = None  # the fleet's record as last read (not the housekeeper)
+        self._record_at = float("-inf")
 
     def own_report(self) -> FleetRecord:
         """This worker's slots per tier (its concurrency split by the weights of the tiers it serves) and
@@ -149,15 +174,44 @@ class FleetFigures:
             self._paused_until, self._channel = now + PAUSE_AFTER_ERROR, None
             logger.warning("celery-prio: admission figures not shared for %g s: %r", PAUSE_AFTER_ERROR, exc)
 
-    def _tick(self, connection: AmqpConnection, now: float) -> None:
+    def _kept_channel(self, connection: AmqpConnection) -> AmqpChannel:
+        """The channel reports, records and record reads go on (the lease holds one of its own)."""
         if connection is not self._connection:  # a new connection: a lease held on the old one ended with it
             self._connection, self.housekeeper, self._retry_at, self._channel = connection, False, 0.0, None
+            self._unrouted = True
         if self._channel is None or not self._channel.is_open:  # the lease (its own channel) is still held
             self._channel = connection.channel()
+            self._channel.events["basic_return"].add(self._returned)
             declare_record_queue(self._channel, self.settings)
             self._sent = None
+        return self._channel
+
+    def _returned(self, exc: Exception, exchange: str, routing_key: str, message: object) -> None:
+        """A ``mandatory`` report RabbitMQ could not route: the housekeeper's queue is gone (its holder too)."""
+        if routing_key == self.settings.housekeeper_key:
+            self._unrouted = True
+
+    def fleet_record(self, connection: AmqpConnection, within: float) -> FleetRecord | None:
+        """The fleet's record (for the refusals it counts): the housekeeper's own, or the one read within
+        ``within`` seconds, else read now. None: none (no housekeeper for ``RECORD_TTL_MS``), or unreadable."""
+        now = time.monotonic()
+        if self.housekeeper and connection is self._connection:
+            return FleetRecord(counters=dict(self.counters))
+        if now - self._record_at > within:
+            try:
+                self._read_record(self._kept_channel(connection), now)
+            except ChannelError:  # the record's queue unavailable (its node down on a cluster): no counts now
+                self._channel, self._record = None, None
+        return self._record
+
+    def _read_record(self, channel: AmqpChannel, now: float) -> FleetRecord | None:
+        self._record, self._record_at = read_fleet_record(channel, self.settings), now
+        return self._record
+
+    def _tick(self, connection: AmqpConnection, now: float) -> None:
+        self._kept_channel(connection)
         mine = self.own_report()
-        if not self.housekeeper and now >= self._retry_at:
+        if not self.housekeeper and self._unrouted and now >= self._retry_at:
             self._take_lease(connection, now)
         if self.housekeeper:
             self._reports[self.key] = (now, mine)
@@ -165,18 +219,19 @@ class FleetFigures:
                 del self._reports[key]
             mine = merge_reports(report for _, report in self._reports.values())
             mine.counters = dict(self.counters)
-        every = REPORT_INTERVAL if mine != self._sent else KEEPALIVE
+        every = REPORT_INTERVAL if _moved(self._sent, mine) else KEEPALIVE
         if now - self._sent_at < every and not self._news and not has_news(self._sent, mine):
             return
         if self.housekeeper:
             body, queue = json.dumps(mine.to_json()), self.settings.admission_key
         else:
             body, queue = json.dumps({"worker": self.key, "report": mine.to_json()}), self.settings.housekeeper_key
-        self._channel.basic_publish(amqp.Message(body), exchange="", routing_key=queue)
+        # mandatory: a report no queue takes comes back (``_returned``), and this worker tries the lease.
+        self._channel.basic_publish(amqp.Message(body), exchange="", routing_key=queue, mandatory=True)
         self._sent, self._sent_at, self._news = mine, now, False
 
     def _take_lease(self, connection: AmqpConnection, now: float) -> None:
-        self._retry_at = now + LEASE_RETRY
+        self._retry_at, self._unrouted = now + LEASE_RETRY, False
         channel = connection.channel()  # a refused declare closes its channel: this one only
         try:
             channel.queue_declare(

@@ -40,6 +40,9 @@ BOOST_SCAN_BUDGET = 10_000
 #: Tokens a tier's doorbell holds at most (``lua/ring.lua``): how many idle workers one burst wakes.
 BELL_MAX = 16
 
+#: Seconds a sub-queue's list found empty stays in the ready index (``lua/mark_ready.lua``: ``leave_index``).
+READY_LINGER = 1.0
+
 _CONSTANTS = {
     "BELL_MAX": BELL_MAX,
     "SCRIPT_BYTES": SCRIPT_BYTES,
@@ -47,6 +50,7 @@ _CONSTANTS = {
     "FETCH_DEAD_BUDGET": FETCH_DEAD_BUDGET,
     "BOOST_SCAN_BUDGET": BOOST_SCAN_BUDGET,
     "PROMOTED_SUFFIX": PROMOTED_SUFFIX,
+    "READY_LINGER": READY_LINGER,
 }
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.M)
 _CONSTANT = re.compile(r"\$\{(\w+)\}")

@@ -36,6 +36,7 @@
 -- {0, version, ready version, n dead-lettered} when it stopped at its dead-letter budget,
 -- or {-1, version, ready version} when all are empty.
 --#include dead_entry
+--#include mark_ready
 
 local n = #ARGV - 6
 local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
@@ -113,10 +114,13 @@ for i = 1, n do
         taken[#taken + 1] = tag
       end
     end
-    -- Found empty: out of the index. One emptied by this take stays in it until a fetch finds it empty (one
-    -- LINDEX then, where checking after every take would cost a command per task on a busy list).
+    -- Found empty: out of the index (a sub-queue's list after lingering, ``leave_index``). One emptied by this
+    -- take stays in it until a fetch finds it empty (one LINDEX then, where checking after every take would
+    -- cost a command per task on a busy list).
     local full = string.sub(mask, i, i) == '2'
-    if (indexed[i] ~= nil or full) and #taken == 3 then redis.call('SREM', ready_key, KEYS[i]) end
+    if #taken == 3 and (indexed[i] or full and redis.call('SISMEMBER', ready_key, KEYS[i]) == 1) then
+      leave_index(ready_key, KEYS[i], ARGV[1])
+    end
     if #taken > 3 then return taken end
   end
 end

@@ -22,3 +22,23 @@ local function mark_ready(index, list)
     redis.call('INCR', index .. '.version')
   end
 end
+
+-- A list a fetch found empty leaves the index. A sub-queue's list lingers first (``<index>.empty``: list ->
+-- when a fetch first found it empty) for ``READY_LINGER`` seconds: its joining again moves the version, and
+-- every worker serving it then reads the index again (a realtime task's shortest-first list under a trickle
+-- of 20 calls a second emptied and joined 20 times a second, each a stale round on every worker). Asked
+-- while it lingers, it costs a fetch one empty look. ``since`` is not reset when work comes back: a list kept
+-- busy is dropped at its first empty look after ``READY_LINGER``, which costs only a version move.
+local function leave_index(index, list, now)
+  if pinned_list(index, list) then
+    redis.call('SREM', index, list)
+    return
+  end
+  local since = redis.call('HGET', index .. '.empty', list)
+  if not since then
+    redis.call('HSET', index .. '.empty', list, now)
+  elseif tonumber(now) - tonumber(since) >= ${READY_LINGER} or tonumber(now) < tonumber(since) then
+    redis.call('SREM', index, list)
+    redis.call('HDEL', index .. '.empty', list)
+  end
+end
