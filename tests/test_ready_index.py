@@ -186,3 +186,44 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     again.message.ack()
     conn.release()
     conn2.release()
+
+
+def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_env):
+    """A list emptied by a take stays indexed until a fetch asks it again, and a busy fetch stops at its first hit:
+    an idle tenant ordered after a busy list would stay in the index for good (a key and a member test in every
+    fetch). The housekeeper's round takes it out: a tier list at once, a sub-queue's after its linger."""
+    env = redis_env
+    s = settings_for(env.app)
+    client = adapter_client(env)
+    members = lambda: {m.decode() for m in client.smembers(s.ready_key)}  # noqa: E731
+    conn, source = _source(env, "fetcher-h")
+    source._full_at = float("inf")
+    sleep = env.app.tasks["t.sleep"]
+    sleep.apply_async(("tier", 0), tier="batch")
+    sleep.apply_async(("tenant", 0), tier="batch", subqueue="acme")
+    taken = []
+    for _ in range(4):
+        take = source.take(list(ORDER))
+        if take.message is not None:
+            taken.append(take.message.payload[0][0])
+            take.message.ack()
+        if len(taken) == 2:
+            break
+    assert sorted(taken) == ["tenant", "tier"]
+    tier_list, acme = s.queue_name(Tier.BATCH), s.subqueue_name(Tier.BATCH, "acme")
+    # As a take that emptied them leaves them (whichever the fetches above happened to ask again):
+    client.sadd(s.ready_key, tier_list, acme)
+    client.hdel(s.ready_key + ".empty", acme)
+    heal = ReadyHeal(s)
+    assert heal.run(source.channel) == 0
+    assert tier_list not in members() and acme in members()  # the tier list at once; the tenant lingers
+    sleep.apply_async(("again", 0), tier="batch", subqueue="acme")  # work while it lingers: it stays
+    time.sleep(READY_LINGER + 0.2)
+    heal.run(source.channel)
+    assert acme in members()
+    take = source.take(list(ORDER))
+    assert take.message.payload[0][0] == "again"
+    take.message.ack()
+    heal.run(source.channel)  # empty again: its linger goes on from when it was first found empty
+    assert acme not in members()
+    conn.release()

@@ -20,6 +20,8 @@ from .queue_shares import QueueShares, QueueState
 
 #: Weight of the newest batch in a batched queue's calls per run.
 BATCH_SIZE_ALPHA = 0.2
+#: Queue names whose tier ``tier_of`` remembers (routing keys are anyone's input: bounded).
+TIER_OF_REMEMBERED = 10_000
 
 #: Aging moves batch -> realtime and offline -> batch.
 AGING_TIERS = (Tier.BATCH, Tier.OFFLINE)
@@ -47,14 +49,20 @@ class ServedQueues:
         #: app's per-task queues on the same broker are never served here (it could not run their tasks).
         self.registered: frozenset[str] | None = None
         self.shares = {t: QueueShares(settings.subqueue_weight) for t in TIERS}
+        self._tiers: dict[str, Tier] = {}  # tier_of's answers
         self.version = 0  # bumped whenever the set of served queues may have changed
         self.runs = 0  # runs (and batches) charged so far: the estimates may have moved when it changes
         self.calls_per_run: dict[str, float] = {}  # a batched task's queue -> its calls per run (a moving mean)
         self.set_names(names)
 
     def tier_of(self, name: str) -> Tier:
-        tier = self.settings.tier_for_queue(name)
-        return self.settings.default_tier if tier is None else tier
+        tier = self._tiers.get(name)
+        if tier is None:  # parsed once per name (a fetch of 500 sub-queues asks it for each)
+            parsed = self.settings.tier_for_queue(name)
+            tier = self.settings.default_tier if parsed is None else parsed
+            if len(self._tiers) < TIER_OF_REMEMBERED:
+                self._tiers[name] = tier
+        return tier
 
     def set_names(self, names: Iterable[str]) -> None:
         """The queues the worker consumes (``-Q``, ``add_consumer``)."""
@@ -82,14 +90,16 @@ class ServedQueues:
     def _regroup(self) -> None:
         self.version += 1
         by_tier = {t: [n for n in self.names if self.tier_of(n) is t] for t in TIERS}
+        members = {t: set(names) for t, names in by_tier.items()}  # the same as sets: 500 sub-queues, no scans
         for name in [*self.known, *self.discovered]:
             tier = self.tier_of(name)
             if not self._runs_here(name, tier):
                 continue
             # A worker serves a tier's sub-queues when it serves the tier's own queue.
-            if self.settings.queue_name(tier) in by_tier[tier] and name not in by_tier[tier]:
+            if self.settings.queue_name(tier) in members[tier] and name not in members[tier]:
                 by_tier[tier].append(name)
-        self.by_tier = by_tier
+                members[tier].add(name)
+        self.by_tier, self._members = by_tier, members
         for tier in TIERS:
             self.shares[tier].forget(by_tier[tier])
         self.promoted = {
@@ -121,7 +131,7 @@ class ServedQueues:
     # -- the tier's time among its queues ------------------------------------------------
     def _shares_of(self, queue: str) -> QueueShares | None:
         tier = self.tier_of(queue)
-        return self.shares[tier] if queue in self.by_tier[tier] else None  # front lanes: not shared
+        return self.shares[tier] if queue in self._members[tier] else None  # front lanes: not shared
 
     def dispatched(self, queue: str) -> float:
         shares = self._shares_of(queue)

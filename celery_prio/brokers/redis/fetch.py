@@ -17,7 +17,7 @@ from . import figures
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
-from .ready import FULL_ASK_INTERVAL, ReadyCopy, indexed_depths
+from .ready import COPY_REFRESH, FULL_ASK_INTERVAL, ReadyCopy, indexed_depths
 from .scripts import BELL_MAX, DEAD_LETTER, FETCH, HEARTBEAT, SCRIPT_BYTES
 from .server import check_server_version
 from .transport import UNSETTLED, registered_subqueues
@@ -141,6 +141,7 @@ class RedisFetchSource(BrokerFetchSource):
         """The fetch over the lists of ``every`` that the ready index may hold; asked again at once when the
         reply shows the index gained a list since this worker's copy (a first message in an empty list): the
         script takes nothing from a stale copy's lists, so a list that joined since is never passed over."""
+        self._ready.expire_if_older(COPY_REFRESH)
         for attempt in range(3):
             seen = self._ready.members
             asked = self._ready.select(every)

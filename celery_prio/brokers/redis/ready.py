@@ -14,6 +14,7 @@ indexed fetch found nothing also asks every list, at most every
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from ...headers import PROMOTED_SUFFIX
@@ -33,6 +34,10 @@ FULL_ASK_INTERVAL = 1.0
 #: covered every 4 s for about 500 cheap ``EXISTS`` a second.
 HEAL_INTERVAL = 1.0
 HEAL_BATCH = 500
+#: A worker reads its copy of the index again when it is this old (``ReadyCopy.expire_if_older``).
+COPY_REFRESH = 2.0
+#: The version an expired copy claims (an index's is a number).
+EXPIRED = "expired"
 
 
 class ReadyHeal:
@@ -54,7 +59,7 @@ class ReadyHeal:
             self._cursor = 0
         batch = names[self._cursor : self._cursor + HEAL_BATCH]
         self._cursor += HEAL_BATCH
-        missing = int(channel.client.eval(HEAL_READY, 1 + len(batch), self.settings.ready_key, *batch))
+        missing = int(channel.client.eval(HEAL_READY, 1 + len(batch), self.settings.ready_key, *batch, time.time()))
         self.healed += missing
         return missing
 
@@ -70,6 +75,7 @@ class ReadyCopy:
         self.settings, self.sep = settings, sep
         self.members: frozenset[str] | None = None  # None: not read yet (every list is passed)
         self.version = ""
+        self.read_at = float("-inf")  # monotonic
         self._kinds: dict[str, str] = {}  # list -> 'uncovered', 'pinned' or 'sub-queue'
 
     def select(self, every: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -82,7 +88,14 @@ class ReadyCopy:
         if text != self.version or self.members is None:
             found = client.smembers(self.settings.ready_key) if members is None else members
             self.members = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in found)
-            self.version = text
+            self.version, self.read_at = text, time.monotonic()
+
+    def expire_if_older(self, seconds: float) -> None:
+        """Read the copy again at the next fetch (its reply carries the index) when it is ``seconds`` old. Lists
+        leave the index without moving its version (only joining moves it), so a copy read when 500 tenants
+        held work passes all 500 to every fetch until a list joins; read again, it holds only those with work."""
+        if self.members is not None and time.monotonic() - self.read_at > seconds:
+            self.version = EXPIRED  # no index has this version: the script refuses the copy and sends the index
 
     def mask(self, keys: list[str], full: bool) -> str:
         """The fetch script's mask: '1' for a list the index covers (asked only while indexed), '0' for one
