@@ -8,10 +8,12 @@
 -- KEYS: the index, then the lists to look at. ARGV: now. Returns how many were missing from it.
 --#include mark_ready
 local missing = 0
+local indexed = {}  -- one read of the index (the lists with work: few), not a member test per empty list
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do indexed[name] = true end
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
-    if redis.call('SADD', KEYS[1], KEYS[i]) == 1 then missing = missing + 1 end
-  elseif redis.call('SISMEMBER', KEYS[1], KEYS[i]) == 1 then
+    if not indexed[KEYS[i]] and redis.call('SADD', KEYS[1], KEYS[i]) == 1 then missing = missing + 1 end
+  elseif indexed[KEYS[i]] then
     leave_index(KEYS[1], KEYS[i], ARGV[1])
   end
 end
