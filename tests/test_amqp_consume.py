@@ -172,6 +172,35 @@ def test_free_slots_set_how_many_messages_come(amqp_env):
         assert source.held == 1 and env.depth(B) == 15  # back to one consumer: at most one in hand
 
 
+def test_short_tasks_keep_a_message_coming_for_each_start_expected_within_hold_max(amqp_env):
+    """Capacity in time: with short measured tasks a queue holds what the slots will start within
+    ``prio_hold_max`` (Celery's prefetch at most), so a drain keeps its consumers instead of one per task."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        source.slots = 2  # Celery's prefetch: 2 slots x worker_prefetch_multiplier 4
+        expected = {"starts": 6}
+        source.starts_within = lambda seconds, tier: expected["starts"]
+        source.take(ORDER)
+        sleep = env.app.tasks["t.sleep"]
+        for i in range(30):
+            sleep.apply_async((f"b{i}", 0), tier="batch")
+        pump_until(conn, lambda: source.held == 1)
+        source.take(ORDER).message.ack()  # 6 starts expected: this one and 5 more in hand
+        pump_until(conn, lambda: source.held == 5)
+        settle(conn, 0.3)
+        assert source.held == 5
+        expected["starts"] = 50  # more than Celery's own prefetch: capped at 8
+        consumers = next(source._tags)
+        for _ in range(2):
+            source.take(ORDER).message.ack()
+        pump_until(conn, lambda: source.held == 7)
+        settle(conn, 0.3)
+        assert source.held == 7 and env.depth(B) == 30 - 3 - 7
+        assert next(source._tags) - consumers <= 4  # consumers added, none cancelled and started per task
+        for _ in range(7):
+            source.take(ORDER).message.ack()
+
+
 def test_a_message_held_past_hold_max_goes_back_for_another_worker(amqp_env):
     env = amqp_env
     with push_source(env, free=0, hold_max=0.2) as (source, conn):

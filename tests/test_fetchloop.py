@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from celery_prio.brokers.memory import Malformed, MemoryFetchSource
+from celery_prio.brokers.memory import Malformed, MemoryDoorbell, MemoryFetchSource
 from celery_prio.ops.simulate import SimLoop
 from celery_prio.policy.count_scheduler import scheduler_for
 from celery_prio.policy.served import ServedQueues
@@ -150,6 +150,28 @@ def test_pushed_arrivals_wake_the_loop_once_per_turn_and_stop_gives_back():
     source.on_arrival()  # a late arrival after stop: no pump
     sim.run_until(sim.now + 0.0001)
     assert len(pumps) == 1 and stopped == [True]
+
+
+def test_a_push_of_a_tier_the_idle_loop_did_not_ask_waits_for_a_slot_to_free():
+    """With batch at its slots and one kept for realtime, the idle loop asks realtime only: a batch push does
+    not pump (a drain of short tasks would pump once per push for nothing), a realtime push does."""
+    settings, source, sim, loop, _ = make(concurrency=2)
+    source.doorbell = MemoryDoorbell()  # an idle loop waits (as a pushed source does) instead of polling
+    source.publish(settings.queue_name(B), Task(B, 10.0, next(_keys)))
+    loop.start()
+    sim.run_until(0.01)
+    assert loop.ledger.running(B) == 1  # batch holds its one slot; the other is realtime's
+    pumps = []
+    real_pump = loop.pump
+    loop.pump = lambda: pumps.append(sim.now) or real_pump()
+    source.publish(settings.queue_name(B), Task(B, 0.01, next(_keys)))
+    source.on_delivery(B)
+    sim.run_until(sim.now + 0.001)
+    assert pumps == []  # no slot it could take: left until one frees
+    source.publish(settings.queue_name(R), Task(R, 0.01, next(_keys)))
+    source.on_delivery(R)
+    sim.run_until(sim.now + 0.001)
+    assert len(pumps) == 1 and loop.ledger.running(R) == 1
 
 
 def test_a_failing_fetch_is_retried_not_fatal():

@@ -309,3 +309,16 @@ def test_a_cold_worker_gives_a_realtime_burst_every_free_slot_but_a_new_low_tier
     assert B not in s.order()  # one batch task running, its run time unknown: no second slot yet
     s.dispatched(O)
     assert s.order() == [R]  # the same for offline; realtime may still come
+
+
+def test_starts_within_counts_slots_that_free_in_time_and_the_tasks_they_start():
+    s = TierScheduler(weights={R: 8, B: 2, O: 1}, concurrency=4)
+    assert s.starts_within(0.1, B) == 4  # nothing measured: the free slots
+    for _ in range(2):
+        s.dispatched(O)
+    s.tiers[O].estimate, s.tiers[O].measured = 10.0, True
+    assert s.starts_within(0.1, B) == 2  # two 10 s offline runs free nothing within 0.1 s
+    s.tiers[B].estimate, s.tiers[B].measured = 0.01, True
+    assert s.starts_within(0.1, B) == 22  # each free slot starts a 10 ms batch task now and 10 more after
+    s.tiers[B].estimate = 1.0
+    assert s.starts_within(0.1, B) == 2  # a batch task longer than the window: one per free slot

@@ -118,6 +118,9 @@ class FetchSource(ABC, Generic[M]):
         # and how many slots the worker has free (how many messages it may have coming).
         self.on_arrival: Callable[[], None] = lambda: None
         self.free_slots: Callable[[], int] = lambda: 1
+        # A message of a known tier was pushed (the fetch loop may leave it until a slot frees).
+        self.on_delivery: Callable[[Tier], None] = lambda tier: self.on_arrival()
+        self.starts_within: Callable[[float, Tier], int] = lambda seconds, tier: self.free_slots()
 
     @abstractmethod
     def take(self, order: list[Tier]) -> Take:

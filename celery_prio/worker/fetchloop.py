@@ -73,12 +73,15 @@ class FetchLoop:
         self._timer: object = None
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
         self._wake_pending = False
+        self._waiting_on: frozenset[Tier] | None = None  # the tiers an idle loop asked last (None: not idle)
         #: Since when the worker has found nothing to fetch and waits on the broker (None while it fetches).
         self.idle_since: float | None = None
         self._last_failure: str | None = None  # the last fetch failure logged with its traceback, and when
         self._last_failure_at = 0.0
         source.on_arrival = self.wake
+        source.on_delivery = self.delivered
         source.free_slots = scheduler.free_slots
+        source.starts_within = scheduler.starts_within
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -99,9 +102,18 @@ class FetchLoop:
         A timer due now, not ``call_soon``: kombu's hub runs what ``call_soon`` adds from inside a ready
         callback only after its next poll, which an idle worker blocked on the broker may sit in for a
         second; a due timer fires in the same turn."""
-        if self.active and not self._wake_pending:
+        # No slot free: the next task to finish pumps anyway (a busy drain would otherwise pump once per push).
+        if self.active and not self._wake_pending and self.scheduler.free_slots() > 0:
             self._wake_pending = True
             self.loop.call_later(0, self._woken)
+
+    def delivered(self, tier: Tier) -> None:
+        """A message of ``tier`` was pushed to the source: pump, unless the loop went idle asking only other
+        tiers (a slot kept for realtime while batch drains). The scheduler's order changes only when a task
+        finishes (which pumps) or through a ``wake``, so until then a pump would not take it: a drain of
+        short tasks would pump once per push for nothing."""
+        if self._waiting_on is None or tier in self._waiting_on:
+            self.wake()
 
     def _woken(self) -> None:
         self._wake_pending = False
@@ -114,6 +126,7 @@ class FetchLoop:
         if self._timer is not None:  # called early (a slot freed): drop the pending retry
             self.cancel_timer(self._timer)
             self._timer = None
+        self._waiting_on = None
         if not self.active or self.deliver is None:
             return
         try:
@@ -152,7 +165,9 @@ class FetchLoop:
                 # Idle: block on the broker where the source can (woken by the next arrival), else poll.
                 if self.idle_since is None:
                     self.idle_since = self.clock()
-                if not self.source.wait_for_work(order):
+                if self.source.wait_for_work(order):
+                    self._waiting_on = frozenset(order)
+                else:
                     self._retry_later()
                 return
             self.idle_since = None

@@ -14,12 +14,15 @@ and the scheduler still picks among tiers:
   would hold its consumer up, so that consumer is cancelled when its
   message is taken and a new one starts in its place. Both are sent
   ``nowait``: no round trip.
-* **As many as there are free slots.** A queue keeps one consumer at least,
-  so new work (a realtime request) is pushed the moment it is published.
-  After a take it has as many as the worker has slots still free, so a busy
-  drain keeps several messages coming. With every slot busy it is back to
-  one. Consumers are cancelled only when they outnumber the free slots: a
-  consumer per message costs RabbitMQ ~100 µs more per message (measured).
+* **As many as the slots start within ``prio_hold_max``.** A queue keeps one
+  consumer at least, so new work (a realtime request) is pushed the moment
+  it is published. After a take it has as many as the worker's free slots,
+  plus (batch and offline) what its slots are expected to start again
+  within ``prio_hold_max`` by the tier's measured run time, Celery's
+  prefetch at most: a drain of short tasks keeps messages coming, a busy
+  worker of long tasks is back to one. Consumers are cancelled only when
+  they outnumber that: a consumer per message costs RabbitMQ ~100 µs more
+  per message (measured).
 * **In hand** are messages delivered but not yet given to Celery. A fetch takes
   from the hand in the scheduler's order, with no broker call. Queues not
   pushed (past ``PUSH_MAX``, or not known to exist) are still asked with
@@ -72,6 +75,7 @@ class AmqpConsumeSource(AmqpFetchSource):
     def __init__(self, app: Celery, channel: AmqpChannel, served: ServedQueues, settings: PrioSettings) -> None:
         super().__init__(app, channel, served, settings)
         self.hold_max = settings.hold_max
+        self._prefetch_multiplier = max(int(app.conf.worker_prefetch_multiplier or 1), 1)
         # A consumer that was armed this recently may still be pushed a message (RabbitMQ pushes a queue's
         # next one once Celery acks the last, as the task starts): its queue is not taken to be empty.
         self._pending_window = settings.poll_interval
@@ -89,6 +93,10 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._held = 0  # messages in all hands (a count: the metrics thread reads it while the loop runs)
         self._held_tier: dict[Tier, int] = {}  # the same per tier (for sliced tasks deciding whether to yield)
         self._deferred = False  # the last take left a parked queue parked (a push before it may be coming)
+        self._all_pushed = False  # the last take looked at pushed queues only
+        # The last take found nothing, with every queue pushed and none with a message on its way: until a
+        # delivery or a consumer change, the same ask finds nothing again (see ``take``).
+        self._quiet: tuple[tuple[Tier, ...], int, Take] | None = None
 
     @property
     def held(self) -> int:
@@ -131,6 +139,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._consume(name)
 
     def _consume(self, name: str) -> None:
+        self._quiet = None  # a new consumer's queue may have a message on its way
         tag = f"prio-{next(self._tags)}"
         self.channel.basic_consume(
             queue=name, consumer_tag=tag, callback=self._arrived, on_cancel=self._cancelled_by_broker, nowait=True
@@ -167,6 +176,7 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _give_back(self, name: str) -> None:
         """Every consumer of ``name`` cancelled, then its hand back to the queue (a reject makes no room then)."""
+        self._quiet = None
         out, self._out[name] = self._out[name], {}
         hand, self._hand[name] = self._hand[name], deque()
         for tag in [*out, *(tag for _, _, tag in hand)]:
@@ -189,11 +199,13 @@ class AmqpConsumeSource(AmqpFetchSource):
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
             return
         self._hand[name].append((raw, time.monotonic(), tag))
+        self._quiet = None
         self._count_held(name, 1)
-        self.on_arrival()
+        self.on_delivery(self.served.tier_of(name))
 
     def _cancelled_by_broker(self, tag: str) -> None:
         """RabbitMQ cancelled a consumer (its queue was deleted)."""
+        self._quiet = None
         name = self._queue_of.pop(tag, None)
         if name is not None and name in self.pushed:
             # Consuming a queue that is gone would close the channel: ask it with basic_get from now on.
@@ -207,8 +219,16 @@ class AmqpConsumeSource(AmqpFetchSource):
         """The first message in asking order: a pushed queue's from the hand, any other queue's by ``basic_get``."""
         self._follow_registry()
         self._keep_consumers()
+        quiet, asking = self._quiet, tuple(order)
+        if quiet is not None and quiet[0] == asking and quiet[1] == self.served.version:
+            # Nothing arrived and no consumer changed since that take found nothing: the same answer, without
+            # looking at every queue again (a worker draining short tasks with a slot kept for realtime asks
+            # realtime once per task this way; the pending window only closes with time, never reopens).
+            return Take(empty=quiet[2].empty, empty_queues=quiet[2].empty_queues)
+        self._quiet = None
         now = time.monotonic()
         self._deferred = False
+        all_pushed = True  # every queue looked at is pushed: an idle loop waits for the next delivery
         plan: list[tuple[Tier, str]] = []  # queues to basic_get, in asking order, before the first one in hand
         pending: set[str] = set()  # pushed queues whose next message may be on its way (asked only if needed)
         idle: list[tuple[Tier, str]] = []  # pushed queues with nothing in hand nor on its way: empty
@@ -218,6 +238,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             for c in self.served.candidates(tier):
                 name = c.name
                 if name not in self.pushed:
+                    all_pushed = False
                     if not self._skip(name, now):
                         plan.append((tier, name))
                 elif self._hand[name]:
@@ -232,7 +253,7 @@ class AmqpConsumeSource(AmqpFetchSource):
                 elif name in self._parked or any(now - t < self._pending_window for t in self._out[name].values()):
                     if name in self._parked:  # a slot asks for this tier again: its messages come pushed
                         self._parked.discard(name)
-                        self._top_up(name, self.free_slots())
+                        self._top_up(name, self._hold_target(tier))
                     plan.append((tier, name))
                     pending.add(name)
                     coming.add(tier)
@@ -257,7 +278,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             tier, name = held
             raw, _, tag = self._hand[name].popleft()
             self._count_held(name, -1)
-            target = self.free_slots() - 1  # this message takes one of the free slots
+            target = self._hold_target(tier) - 1  # this message takes one of those slots
             if self._settles_late(raw) or self._consumers(name) + 1 > max(target, 1):  # + 1: the taken one's
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
             else:
@@ -268,12 +289,31 @@ class AmqpConsumeSource(AmqpFetchSource):
         looked = sorted(asked + idle, key=lambda tq: rank[tq[0]])  # stable: asking order inside a tier
         take = self._take_found(found, looked)
         take.empty = tuple(t for t in take.empty if t not in coming)
+        self._all_pushed = all_pushed and held is None
+        if found is None and held is None and all_pushed and not plan and not pending and not self._deferred:
+            self._quiet = (asking, self.served.version, take)
         return take
+
+    def _hold_target(self, tier: Tier) -> int:
+        """Messages one of ``tier``'s queues may have in hand or coming.
+
+        Batch and offline: as many as the worker is expected to start within ``prio_hold_max`` (its free slots
+        at least), no more than Celery's own prefetch (concurrency x ``worker_prefetch_multiplier``). A drain
+        of short tasks then keeps messages ready for the slots as they free, with no consumer cancelled and
+        started again per task; long tasks hold no more than the free slots. Realtime: its free slots only,
+        so that a request waits in no worker's hand while another worker has a slot free.
+        """
+        if tier is Tier.REALTIME:
+            return self.free_slots()
+        return min(
+            max(self.starts_within(self.hold_max, tier), self.free_slots()), self.slots * self._prefetch_multiplier
+        )
 
     def wait_for_work(self, order: list[Tier]) -> bool:
         """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll). Otherwise (more queues
-        than ``PUSH_MAX``, or one not known to exist) the loop polls, as it does for ``basic_get``."""
-        return not self._deferred and all(name in self.pushed for name in self._queues_of(order))
+        than ``PUSH_MAX``, or one not known to exist) the loop polls, as it does for ``basic_get``.
+        (The take that found nothing just looked at every one of ``order``'s queues: its answer is kept.)"""
+        return not self._deferred and self._all_pushed
 
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
