@@ -6,6 +6,7 @@ import pytest
 
 from celery_prio.policy.count_scheduler import scheduler_for
 from celery_prio.policy.scheduler import TierScheduler
+from celery_prio.policy.start_rate import StartRates
 from celery_prio.tiers import Tier
 
 R, B, O = Tier.REALTIME, Tier.BATCH, Tier.OFFLINE
@@ -311,14 +312,14 @@ def test_a_cold_worker_gives_a_realtime_burst_every_free_slot_but_a_new_low_tier
     assert s.order() == [R]  # the same for offline; realtime may still come
 
 
-def test_starts_within_counts_slots_that_free_in_time_and_the_tasks_they_start():
-    s = TierScheduler(weights={R: 8, B: 2, O: 1}, concurrency=4)
-    assert s.starts_within(0.1, B) == 4  # nothing measured: the free slots
-    for _ in range(2):
-        s.dispatched(O)
-    s.tiers[O].estimate, s.tiers[O].measured = 10.0, True
-    assert s.starts_within(0.1, B) == 2  # two 10 s offline runs free nothing within 0.1 s
-    s.tiers[B].estimate, s.tiers[B].measured = 0.01, True
-    assert s.starts_within(0.1, B) == 22  # each free slot starts a 10 ms batch task now and 10 more after
-    s.tiers[B].estimate = 1.0
-    assert s.starts_within(0.1, B) == 2  # a batch task longer than the window: one per free slot
+def test_start_rates_expect_the_starts_of_the_last_second_pace_and_forget_older_ones():
+    rates = StartRates()
+    assert rates.within(0.05, B, now=0.0) == 0  # nothing started yet: no pace to go by
+    for i in range(300):  # batch at 300 starts a second, offline at 30
+        rates.started(B, now=i / 300)
+        if i % 10 == 0:
+            rates.started(O, now=i / 300)
+    assert rates.within(0.05, B, now=1.0) == 15  # 300/s x 50 ms
+    assert rates.within(0.05, O, now=1.0) == 1  # a tier with a tenth of the turns holds a tenth
+    assert rates.within(0.05, B, now=1.5) == 7  # half of the window's starts are older than a second now
+    assert rates.within(0.05, B, now=3.0) == 0  # stopped for a while: back to no pace

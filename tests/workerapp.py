@@ -90,6 +90,7 @@ def make_app(
         """Logs the queue it was fetched from (no tier of its own); with ``spawn``, publishes a child."""
         record("where", f"{tag}:{(self.request.delivery_info or {}).get('routing_key')}")
         if spawn:
+            record("spawn", tag + "-child")  # when the child is published: its own wait starts here
             where.apply_async(kwargs={"tag": tag + "-child"})
         return tag
 

@@ -92,23 +92,6 @@ class TierScheduler:
     def free_slots(self) -> int:
         return max(self.concurrency - self.running, 0)
 
-    def starts_within(self, seconds: float, tier: Tier) -> int:
-        """Tasks of ``tier`` this worker is expected to start within ``seconds``, were its queue never empty.
-
-        A free slot starts one now, a running task's slot frees within ``seconds`` with the odds of
-        ``seconds`` over its tier's measured run time (one at most; a tier not yet measured: none), and each
-        slot that starts a ``tier`` task starts another every ``tier`` run time after. How much a pushed
-        queue may hold: each message is then expected to start within ``seconds`` (capacity in time, not a
-        count).
-        """
-        soon = float(self.free_slots())
-        for state in self.tiers.values():
-            if state.running and state.measured:
-                soon += state.running * min(1.0, seconds / max(state.estimate, 1e-6))
-        own = self.tiers[tier]
-        repeats = seconds / max(own.estimate, 1e-6) if own.measured else 0.0
-        return int(soon * (1.0 + repeats))
-
     def _may_take_another(self, tier: Tier) -> bool:
         state = self.tiers[tier]
         if tier is Tier.REALTIME or Tier.REALTIME not in self.served or state.measured:

@@ -196,7 +196,8 @@ SETTINGS: tuple[Setting, ...] = (
         RABBITMQ,
         'RabbitMQ: how a worker fetches its queues. `"consume"`: pushed to consumers of prefetch 1 (tier queues, '
         "front lanes, sub-queues); per queue in hand no more than the worker is expected to start within "
-        "`prio_hold_max` (realtime: its free slots; one at least; Celery's prefetch at most), each for at most "
+        "half of `prio_hold_max` at its recent pace (realtime: its free slots; one at least; Celery's prefetch "
+        "at most), each for at most "
         '`prio_hold_max`; classic queues only. `"get"`: one `basic_get` per task, nothing held that '
         "another worker could run, a round trip per fetch and per empty queue asked. Redis ignores it",
         shown='None ("consume" on classic queues, "get" on quorum queues)',

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from ..brokers.base import FetchSource
 from ..policy.scheduler import TierScheduler
 from ..policy.served import ServedQueues
+from ..policy.start_rate import StartRates
 from ..tiers import Tier
 from .ledger import Ledger, Settled
 from .stats import WorkerStats
@@ -74,6 +75,7 @@ class FetchLoop:
         self._backoff = poll_interval * MIN_BACKOFF_FRACTION
         self._wake_pending = False
         self._waiting_on: frozenset[Tier] | None = None  # the tiers an idle loop asked last (None: not idle)
+        self.start_rates = StartRates()  # each tier's recent pace of starts (what a pushed queue may hold)
         #: Since when the worker has found nothing to fetch and waits on the broker (None while it fetches).
         self.idle_since: float | None = None
         self._last_failure: str | None = None  # the last fetch failure logged with its traceback, and when
@@ -81,7 +83,7 @@ class FetchLoop:
         source.on_arrival = self.wake
         source.on_delivery = self.delivered
         source.free_slots = scheduler.free_slots
-        source.starts_within = scheduler.starts_within
+        source.starts_within = self.starts_within
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -190,7 +192,13 @@ class FetchLoop:
         queue = self.fetching_queue  # None for an ETA request whose time has come: no queue to charge
         queue_charge = self.lanes.dispatched(queue) if self.lanes is not None and queue else 0.0
         dispatched = self.scheduler.dispatched(tier)
-        self.ledger.start(key, tier, dispatched, self.clock(), queue, queue_charge, self.fetching_waited)
+        now = self.clock()
+        self.start_rates.started(tier, now)
+        self.ledger.start(key, tier, dispatched, now, queue, queue_charge, self.fetching_waited)
+
+    def starts_within(self, seconds: float, tier: Tier) -> int:
+        """Tasks of ``tier`` this worker is expected to start within ``seconds``, at its pace of the last second."""
+        return self.start_rates.within(seconds, tier, self.clock())
 
     def settle(self, still_held: Container) -> None:
         """Retire what no longer holds a slot, charge its run time, refill."""

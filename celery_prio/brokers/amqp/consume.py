@@ -14,13 +14,13 @@ and the scheduler still picks among tiers:
   would hold its consumer up, so that consumer is cancelled when its
   message is taken and a new one starts in its place. Both are sent
   ``nowait``: no round trip.
-* **As many as the slots start within ``prio_hold_max``.** A queue keeps one
-  consumer at least, so new work (a realtime request) is pushed the moment
-  it is published. After a take it has as many as the worker's free slots,
-  plus (batch and offline) what its slots are expected to start again
-  within ``prio_hold_max`` by the tier's measured run time, Celery's
-  prefetch at most: a drain of short tasks keeps messages coming, a busy
-  worker of long tasks is back to one. Consumers are cancelled only when
+* **As many as the slots start within half of ``prio_hold_max``.** A queue
+  keeps one consumer at least, so new work (a realtime request) is pushed
+  the moment it is published. After a take it has as many as the worker's
+  free slots, or (batch and offline) the tasks of its tier the worker
+  started in half of ``prio_hold_max`` at its pace of the last second if
+  more, Celery's prefetch at most: a drain of short tasks keeps messages
+  coming, a tier with few of the slots' turns or long tasks is back to one. Consumers are cancelled only when
   they outnumber that: a consumer per message costs RabbitMQ ~100 µs more
   per message (measured).
 * **In hand** are messages delivered but not yet given to Celery. A fetch takes
@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 #: Queues one worker keeps consumers on at most (in asking order); more are asked by ``basic_get``.
 PUSH_MAX = 1024
+#: A batch or offline queue holds the starts expected within this share of ``prio_hold_max``: the last message
+#: in hand then waits about that long, leaving the rest of ``prio_hold_max`` for the pace to vary.
+HOLD_SHARE = 0.5
 
 
 class AmqpConsumeSource(AmqpFetchSource):
@@ -297,17 +300,18 @@ class AmqpConsumeSource(AmqpFetchSource):
     def _hold_target(self, tier: Tier) -> int:
         """Messages one of ``tier``'s queues may have in hand or coming.
 
-        Batch and offline: as many as the worker is expected to start within ``prio_hold_max`` (its free slots
-        at least), no more than Celery's own prefetch (concurrency x ``worker_prefetch_multiplier``). A drain
-        of short tasks then keeps messages ready for the slots as they free, with no consumer cancelled and
-        started again per task; long tasks hold no more than the free slots. Realtime: its free slots only,
-        so that a request waits in no worker's hand while another worker has a slot free.
+        Batch and offline: as many as the worker started of that tier in half of ``prio_hold_max``, at its
+        pace of the last second (its free slots at least, Celery's prefetch ``concurrency x
+        worker_prefetch_multiplier`` at most): each is then expected to start within half of ``prio_hold_max``,
+        well before it would be given back. A drain of short tasks keeps messages ready for the slots as they
+        free, with no consumer cancelled and started again per task; a tier that gets few of the slots' turns
+        (offline beside batch, a loaded host) or runs long tasks holds no more than the free slots. Realtime:
+        its free slots only, so that a request waits in no worker's hand while another worker has a slot free.
         """
         if tier is Tier.REALTIME:
             return self.free_slots()
-        return min(
-            max(self.starts_within(self.hold_max, tier), self.free_slots()), self.slots * self._prefetch_multiplier
-        )
+        expected = self.starts_within(self.hold_max * HOLD_SHARE, tier)
+        return min(max(expected, self.free_slots()), self.slots * self._prefetch_multiplier)
 
     def wait_for_work(self, order: list[Tier]) -> bool:
         """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll). Otherwise (more queues
