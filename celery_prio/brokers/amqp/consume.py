@@ -20,9 +20,9 @@ and the scheduler still picks among tiers:
   free slots, or (batch and offline) the tasks of its tier the worker
   started in half of ``prio_hold_max`` at its pace of the last second if
   more, Celery's prefetch at most: a drain of short tasks keeps messages
-  coming, a tier with few of the slots' turns or long tasks is back to one. Consumers are cancelled only when
-  they outnumber that: a consumer per message costs RabbitMQ ~100 µs more
-  per message (measured).
+  coming, a tier with few of the slots' turns or long tasks is back to one.
+  Consumers are cancelled only when they outnumber that: a consumer per
+  message costs RabbitMQ ~100 µs more per message (measured).
 * **In hand** are messages delivered but not yet given to Celery. A fetch takes
   from the hand in the scheduler's order, with no broker call. Queues not
   pushed (past ``PUSH_MAX``, or not known to exist) are still asked with
