@@ -46,6 +46,7 @@ class ChaosResult:
     refused: int = 0  # publishes that failed (the broker was down): not accepted, not counted
     completed: int = 0
     lost: list[str] = field(default_factory=list)  # accepted, never completed, not marked expired
+    lost_why: dict[str, str] = field(default_factory=dict)  # a lost chord body's state, as its result says
     expired: int = 0  # realtime calls past their deadline (a kill delayed them): marked REVOKED, never run
     kills: int = 0
     broker_restarts: int = 0
@@ -77,6 +78,7 @@ class ChaosResult:
             f"completed twice, a kill explains it (acks_late) {self.ran_again_after_a_kill}; "
             f"ran twice unexplained {len(self.ran_twice_unexplained)}; sliced results wrong {len(self.sliced_wrong)}",
             f"left in unacked {self.left_unacked}; left in owners {self.left_owners}",
+            *(f"lost {tag}: {why}" for tag, why in self.lost_why.items()),
         ]
 
 
@@ -230,6 +232,7 @@ def run_chaos(
     sliced: dict[str, tuple[Any, int]] = {}  # tag -> (result, n)
     offline: list[Any] = []
     boosted: set[str] = set()
+    bodies: dict[str, Any] = {}  # chord tag -> its body's result: why a lost body never ran
     began = time.monotonic()
     killer = threading.Thread(target=chaos, name="chaos", daemon=True)
     killer.start()
@@ -260,7 +263,8 @@ def run_chaos(
                     celery_prio.bulk(work, [(t, 0.05) for t in tags], tier="batch", subqueue=f"tenant-{n % 3}")
                     accepted.update(dict.fromkeys(tags, "bulk"))
                 elif kind == "chord":
-                    accepted.update(dict.fromkeys(app.chaos_chord(f"chord-{n}", 4), "chord"))
+                    tags, bodies[f"chord-{n}"] = app.chaos_chord(f"chord-{n}", 4)
+                    accepted.update(dict.fromkeys(tags, "chord"))
                 elif kind == "long":
                     tag = f"long-{n}"
                     app.tasks["chaos.long"].apply_async((tag, 2.5))
@@ -302,6 +306,10 @@ def run_chaos(
     gone_by_deadline = expired(ended)
     result.expired = len(gone_by_deadline)
     result.lost = sorted(set(accepted) - ended - gone_by_deadline)
+    for tag in result.lost:
+        if tag in bodies:  # a body Celery could not publish is marked failed (ChordError), not left pending
+            body = bodies[tag]
+            result.lost_why[tag] = f"{body.state}: {body.result!r}"
     result.completed = len(set(accepted) & ended)
     by_tag: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in log:

@@ -28,6 +28,10 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
         worker_redirect_stdouts=False,
         task_acks_late=True,  # every accepted task completes even when its worker is killed mid-run
         result_expires=3600,
+        # A worker's own publishes (a chord's body, published by the worker that ends its last header call) ride
+        # out the run's broker restart (1 s down) and failover (1.5 s of refused writes): Celery's default policy
+        # gives up after about 0.6 s, and a chord body it could not publish is marked failed, never run.
+        task_publish_retry_policy=OUTAGE_RETRY_POLICY,
     )
     celery_prio.install(app, queue_prefix=prefix, **settings)
     recorder = redis.Redis.from_url(record_url)
@@ -71,14 +75,14 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
         record("end", tag, self.request)
         return len(parts)
 
-    def chord_of_batched(tag: str, size: int) -> list[str]:
-        """Publish a chord of ``size`` batched calls and a body; the tags the run waits to see end."""
+    def chord_of_batched(tag: str, size: int) -> tuple[list[str], Any]:
+        """Publish a chord of ``size`` batched calls and a body: the tags the run waits to see end, and the body."""
         parts = [f"{tag}-{i}" for i in range(size)]
         # The header's calls are realtime: a kill can delay one past realtime's deadline, and a chord with an
         # expired member never runs its body. Their own expires= keeps them (plain realtime calls keep the
         # default deadline, and the run accounts for those that expire).
-        chord([batched.s(p).set(expires=3600) for p in parts])(join.s(tag))
-        return [*parts, tag]
+        body = chord([batched.s(p).set(expires=3600) for p in parts])(join.s(tag))
+        return [*parts, tag], body
 
     app.chaos_chord = chord_of_batched  # type: ignore[attr-defined]
 
@@ -95,6 +99,9 @@ def make_app(broker: str, backend: str, record_url: str, prefix: str, settings: 
 
     return app
 
+
+#: Retries at 0, 0.5, 1, 1, ... s: about 8 s, past the run's longest outage (a broker restart, a failover).
+OUTAGE_RETRY_POLICY = {"max_retries": 10, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 
 #: The worker's node name, for pool processes (a batched task's function runs outside any request).
 NODE_ENV = "CHAOS_NODE"
