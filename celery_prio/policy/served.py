@@ -52,6 +52,7 @@ class ServedQueues:
         self._tiers: dict[str, Tier] = {}  # tier_of's answers
         self.version = 0  # bumped whenever the set of served queues may have changed
         self.runs = 0  # runs (and batches) charged so far: the estimates may have moved when it changes
+        self.on_run: Callable[[str], None] = lambda queue: None  # after each, with its queue (estimates moved)
         self.calls_per_run: dict[str, float] = {}  # a batched task's queue -> its calls per run (a moving mean)
         self.set_names(names)
 
@@ -142,6 +143,7 @@ class ServedQueues:
 
     def finished(self, queue: str, runtime: float, charge: float) -> None:
         self.runs += 1
+        self.on_run(queue)
         shares = self._shares_of(queue)
         if shares is not None:
             shares.finished(queue, runtime, charge)
@@ -160,6 +162,7 @@ class ServedQueues:
     def batch_ran(self, queue: str, calls: int) -> None:
         """A batch of ``calls`` from ``queue`` ran as one: its run time counts ``calls`` calls."""
         self.runs += 1
+        self.on_run(queue)
         before = self.calls_per_run.get(queue)
         self.calls_per_run[queue] = float(calls) if before is None else before + BATCH_SIZE_ALPHA * (calls - before)
 

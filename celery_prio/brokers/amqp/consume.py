@@ -70,6 +70,12 @@ PUSH_MAX = 1024
 #: A batch or offline queue holds the starts expected within this share of ``prio_hold_max``: the last message
 #: in hand then waits about that long, leaving the rest of ``prio_hold_max`` for the pace to vary.
 HOLD_SHARE = 0.5
+#: Messages taken whose settle is awaited at most (a bound on bookkeeping that cannot grow in practice).
+UNSETTLED_MAX = 4096
+#: Seconds between looks at the hand when no delivery armed one (a look lost with a restarted loop).
+HAND_BACKSTOP = 1.0
+#: The shortest wait before looking at the hand again (a message due now is past ``prio_hold_max`` then).
+GIVE_BACK_MIN_WAIT = 0.005
 
 
 class AmqpConsumeSource(AmqpFetchSource):
@@ -95,11 +101,19 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._parked: set[str] = set()  # gave a message back: no consumer until a slot asks for its tier
         self._held = 0  # messages in all hands (a count: the metrics thread reads it while the loop runs)
         self._held_tier: dict[Tier, int] = {}  # the same per tier (for sliced tasks deciding whether to yield)
+        # Consumers kept after their message was taken wait for Celery to settle it (ack or reject): only then
+        # does RabbitMQ push them the next one. Delivery tag -> consumer tag, until settled.
+        self._unsettled: dict[int, str] = {}
+        # Consumers with nothing on its way: a ``basic_get`` of their queue, sent after their last message was
+        # settled (or after they started), found it empty. RabbitMQ handles a channel's methods in order, so a
+        # message there at the ack would have been pushed or got; a later one is pushed when published.
+        self._nothing_coming: set[str] = set()
         self._deferred = False  # the last take left a parked queue parked (a push before it may be coming)
         self._all_pushed = False  # the last take looked at pushed queues only
         # The last take found nothing, with every queue pushed and none with a message on its way: until a
         # delivery or a consumer change, the same ask finds nothing again (see ``take``).
         self._quiet: tuple[tuple[Tier, ...], int, Take] | None = None
+        self._give_back_at = float("-inf")  # when the look for messages held too long is due (armed until then)
 
     @property
     def held(self) -> int:
@@ -123,6 +137,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._on_channel = self.channel
             self._synced = -1
             self.channel.basic_qos(0, 1, False)  # every consumer started on this channel: one message
+            self._watch_settles(self.channel)
         if self._synced == self.served.version:
             return
         self._synced = self.served.version
@@ -141,6 +156,36 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._out[name], self._hand[name] = {}, deque()
             self._consume(name)
 
+    def _watch_settles(self, channel: AmqpChannel) -> None:
+        """Note each ack and reject sent on ``channel`` (Celery's, through kombu): the consumer whose message it
+        settles may be pushed its next one from then on (see ``_on_its_way``)."""
+        ack, reject, unsettled = channel.basic_ack, channel.basic_reject, self._unsettled
+
+        def basic_ack(delivery_tag: int, multiple: bool = False, *args: Any, **kwargs: Any) -> Any:
+            if multiple:
+                unsettled.clear()  # never sent by Celery; settles every earlier one
+            else:
+                unsettled.pop(delivery_tag, None)
+            return ack(delivery_tag, multiple, *args, **kwargs)
+
+        def basic_reject(delivery_tag: int, requeue: bool, *args: Any, **kwargs: Any) -> Any:
+            unsettled.pop(delivery_tag, None)
+            return reject(delivery_tag, requeue, *args, **kwargs)
+
+        channel.basic_ack, channel.basic_reject = basic_ack, basic_reject  # type: ignore[method-assign]
+
+    def _on_its_way(self, name: str, now: float) -> bool:
+        """A consumer of ``name`` started or kept within the pending window may be pushed a message now, unless
+        a ``basic_get`` since it was settled found the queue empty."""
+        nothing = self._nothing_coming
+        return any(now - t < self._pending_window and tag not in nothing for tag, t in self._out[name].items())
+
+    def _found_empty(self, name: str) -> None:
+        """A ``basic_get`` of ``name`` just answered empty: its consumers whose last message was settled before
+        it was sent have nothing on its way."""
+        waiting = set(self._unsettled.values())
+        self._nothing_coming.update(tag for tag in self._out[name] if tag not in waiting)
+
     def _consume(self, name: str) -> None:
         self._quiet = None  # a new consumer's queue may have a message on its way
         tag = f"prio-{next(self._tags)}"
@@ -152,6 +197,7 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _cancel(self, tag: str) -> None:
         self._queue_of.pop(tag, None)
+        self._nothing_coming.discard(tag)
         self.channel.basic_cancel(tag, nowait=True)
         # nowait: py-amqp drops the callback only on cancel-ok. A delivery still in flight for it
         # then finds no callback, and py-amqp gives it back (basic_reject with requeue).
@@ -201,7 +247,10 @@ class AmqpConsumeSource(AmqpFetchSource):
         if name is None or self._out[name].pop(tag, None) is None:  # not a live consumer's: cannot happen
             self.channel.basic_reject(raw.delivery_tag, requeue=True)
             return
-        self._hand[name].append((raw, time.monotonic(), tag))
+        now = time.monotonic()
+        self._hand[name].append((raw, now, tag))
+        self._nothing_coming.discard(tag)
+        self._watch_hand(now)
         self._quiet = None
         self._count_held(name, 1)
         self.on_delivery(self.served.tier_of(name))
@@ -253,7 +302,7 @@ class AmqpConsumeSource(AmqpFetchSource):
                     # Not known to be empty either; the loop polls until the push comes or the wait runs out.
                     self._deferred = True
                     coming.add(tier)
-                elif name in self._parked or any(now - t < self._pending_window for t in self._out[name].values()):
+                elif name in self._parked or self._on_its_way(name, now):
                     if name in self._parked:  # a slot asks for this tier again: its messages come pushed
                         self._parked.discard(name)
                         self._top_up(name, self._hold_target(tier))
@@ -268,6 +317,9 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Nothing lower in hand would take the slot meanwhile: wait for the push instead of asking.
             plan = [(tier, name) for tier, name in plan if name not in pending]
         found, asked = self._first_found(plan, now)
+        for _, name in plan:
+            if name in pending and self._empty_at.get(name) == now:  # asked now and found empty
+                self._found_empty(name)
         if found is None:
             # py-amqp reads deliveries while it waits for a get's answer: a pushed queue asked because its next
             # message was on its way may have it in hand now, and it comes before whatever was held.
@@ -286,6 +338,10 @@ class AmqpConsumeSource(AmqpFetchSource):
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
             else:
                 self._out[name][tag] = now  # pushed its next message once Celery acks this one
+                self._nothing_coming.discard(tag)
+                if len(self._unsettled) > UNSETTLED_MAX:  # settled by a path not watched (cannot happen): forget
+                    self._unsettled.clear()
+                self._unsettled[raw.delivery_tag] = tag
             self._top_up(name, target)
             found = (tier, name, raw)
         rank = {tier: i for i, tier in enumerate(order)}
@@ -321,10 +377,25 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
-        return [
-            *super().housekeeping(dispatched),
-            Job(max(self.hold_max / 2, 0.005), self.give_back_stale, "give back messages held too long"),
-        ]
+        # The look is armed by the deliveries themselves (``_watch_hand``): an idle worker's loop is not woken
+        # every ``prio_hold_max / 2`` for an empty hand. This slow round only re-arms a look that was lost.
+        return [*super().housekeeping(dispatched), Job(HAND_BACKSTOP, self._look_at_hand, "give back held messages")]
+
+    def _watch_hand(self, now: float) -> None:
+        """A message came into the hand: a look for messages held too long is due ``prio_hold_max`` later."""
+        if now >= self._give_back_at and self._hub is not None:
+            self._give_back_at = now + self.hold_max
+            self._hub.call_later(self.hold_max, self._look_at_hand)
+
+    def _look_at_hand(self) -> None:
+        """Give back what was held too long; then, while anything is in hand, look again when the oldest is due."""
+        self._give_back_at = float("-inf")
+        self.give_back_stale()
+        oldest = min((hand[0][1] for hand in self._hand.values() if hand), default=None)
+        if oldest is not None and self._hub is not None:
+            delay = max(oldest + self.hold_max - time.monotonic(), GIVE_BACK_MIN_WAIT)
+            self._give_back_at = time.monotonic() + delay
+            self._hub.call_later(delay, self._look_at_hand)
 
     def give_back_stale(self) -> None:
         """Held past ``prio_hold_max``: back to the queue, where another worker can run it."""

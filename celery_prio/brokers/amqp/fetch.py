@@ -15,6 +15,7 @@ from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
+from ..soon import PACE_INTERVAL, Soon
 from .fleet_figures import TICK_INTERVAL, FleetFigures
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
@@ -319,7 +320,13 @@ class AmqpFetchSource(BrokerFetchSource):
         if all(budget is None for budget in self.settings.max_wait.values()):
             return []
         figures = self._fleet_figures = FleetFigures(self.settings, self.served, lambda: self.slots)
-        return [Job(TICK_INTERVAL, lambda: figures.tick(self.channel.connection), "share admission figures")]
+
+        def look() -> None:
+            figures.tick(self.channel.connection)
+
+        soon = Soon(look, TICK_INTERVAL, "share admission figures")
+        soon.hub, figures.nudge, self.served.on_run = self._hub, soon.nudge, figures.ran
+        return [Job(PACE_INTERVAL, look, "share admission figures")]
 
     def broker_figures(self, now: float, idle: bool = False) -> BrokerFigures:
         """With the refusals the publishers counted, from the fleet's record (where a wait budget keeps one)."""

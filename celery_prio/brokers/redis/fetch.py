@@ -71,6 +71,7 @@ class RedisFetchSource(BrokerFetchSource):
         self._ready = ReadyCopy(self.settings, channel.sep)  # this worker's copy of the ready index
 
     def attach_loop(self, hub: Hub) -> None:
+        self.hub = hub
         self.doorbell = Doorbell(
             lambda: self.channel._create_client(asynchronous=False),
             self.settings,

@@ -14,6 +14,7 @@ from ...settings import PrioSettings
 from ...tiers import TIERS, Tier
 from ..base import Job
 from ..shared import as_text
+from ..soon import PACE_INTERVAL, Soon
 from . import figures
 from .aging import RedisAging
 from .pruning import PRUNE_INTERVAL, mention, prune
@@ -115,10 +116,22 @@ class RedisHousekeeping:
         own = [
             Job(SWEEP_INTERVAL, self.source.settle_unsettled, "settle acks that failed while Redis was away"),
             Job(RATE_INTERVAL, lambda: self._report_rates(dispatched()), "report drain rates"),
-            # Where a wait budget reads them: looked at every NEWS_INTERVAL, written then if a queue was measured
-            # for the first time or moved (a cold fleet learns from its first runs), else every ESTIMATES_INTERVAL.
-            Job(NEWS_INTERVAL if admits else RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
+            # Where a wait budget reads them: written within NEWS_INTERVAL of a run of a queue not written yet (a
+            # cold fleet learns from its first runs), else looked at every PACE_INTERVAL and written then if one
+            # moved, or every ESTIMATES_INTERVAL. (Polled every NEWS_INTERVAL, an idle worker's loop woke 40
+            # times a second for nothing.)
+            Job(PACE_INTERVAL if admits else RATE_INTERVAL, self._share_estimates, "share run-time estimates"),
         ]
+        if admits:
+            soon = Soon(self._share_estimates, NEWS_INTERVAL, "share run-time estimates")
+            soon.hub = getattr(self.source, "hub", None)
+            written = self._estimates_written
+
+            def ran(queue: str) -> None:
+                if queue not in written:
+                    soon.nudge()
+
+            self.source.served.on_run = ran
         return [*map(self._housekeeper_only, fleet), *own]
 
     def _housekeeper_only(self, job: Job) -> Job:
