@@ -43,6 +43,7 @@ class Soon:
             self.hub.call_later(self.delay, self._run)
 
     def _run(self) -> None:
+        self._due = float("-inf")  # a nudge from here on (the job's own, to go on at this pace) asks again
         try:
             self.job()
         except Exception:  # as a housekeeping job's: logged, and the next look tries again

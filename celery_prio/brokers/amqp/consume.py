@@ -50,6 +50,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...policy.served import ServedQueues
@@ -57,6 +58,7 @@ from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import Job, Take
 from .fetch import AmqpFetchSource
+from .settles import SettleWatch
 
 if TYPE_CHECKING:
     from amqp import Channel as AmqpChannel
@@ -70,8 +72,8 @@ PUSH_MAX = 1024
 #: A batch or offline queue holds the starts expected within this share of ``prio_hold_max``: the last message
 #: in hand then waits about that long, leaving the rest of ``prio_hold_max`` for the pace to vary.
 HOLD_SHARE = 0.5
-#: Messages taken whose settle is awaited at most (a bound on bookkeeping that cannot grow in practice).
-UNSETTLED_MAX = 4096
+#: A pushed queue that stays empty is reported to the scheduler (looked at, idle) at most this often.
+IDLE_REPORT_INTERVAL = 0.05
 #: Seconds between looks at the hand when no delivery armed one (a look lost with a restarted loop).
 HAND_BACKSTOP = 1.0
 #: The shortest wait before looking at the hand again (a message due now is past ``prio_hold_max`` then).
@@ -101,19 +103,14 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._parked: set[str] = set()  # gave a message back: no consumer until a slot asks for its tier
         self._held = 0  # messages in all hands (a count: the metrics thread reads it while the loop runs)
         self._held_tier: dict[Tier, int] = {}  # the same per tier (for sliced tasks deciding whether to yield)
-        # Consumers kept after their message was taken wait for Celery to settle it (ack or reject): only then
-        # does RabbitMQ push them the next one. Delivery tag -> consumer tag, until settled.
-        self._unsettled: dict[int, str] = {}
-        # Consumers with nothing on its way: a ``basic_get`` of their queue, sent after their last message was
-        # settled (or after they started), found it empty. RabbitMQ handles a channel's methods in order, so a
-        # message there at the ack would have been pushed or got; a later one is pushed when published.
-        self._nothing_coming: set[str] = set()
+        self._settle_watch = SettleWatch()  # which consumers may still be pushed a message (``settles.py``)
         self._deferred = False  # the last take left a parked queue parked (a push before it may be coming)
         self._all_pushed = False  # the last take looked at pushed queues only
         # The last take found nothing, with every queue pushed and none with a message on its way: until a
         # delivery or a consumer change, the same ask finds nothing again (see ``take``).
         self._quiet: tuple[tuple[Tier, ...], int, Take] | None = None
         self._give_back_at = float("-inf")  # when the look for messages held too long is due (armed until then)
+        self._reported_idle: dict[str, float] = {}  # pushed queue -> when it was last reported empty
 
     @property
     def held(self) -> int:
@@ -137,7 +134,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._on_channel = self.channel
             self._synced = -1
             self.channel.basic_qos(0, 1, False)  # every consumer started on this channel: one message
-            self._watch_settles(self.channel)
+            self._settle_watch.watch(self.channel)
         if self._synced == self.served.version:
             return
         self._synced = self.served.version
@@ -156,35 +153,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._out[name], self._hand[name] = {}, deque()
             self._consume(name)
 
-    def _watch_settles(self, channel: AmqpChannel) -> None:
-        """Note each ack and reject sent on ``channel`` (Celery's, through kombu): the consumer whose message it
-        settles may be pushed its next one from then on (see ``_on_its_way``)."""
-        ack, reject, unsettled = channel.basic_ack, channel.basic_reject, self._unsettled
-
-        def basic_ack(delivery_tag: int, multiple: bool = False, *args: Any, **kwargs: Any) -> Any:
-            if multiple:
-                unsettled.clear()  # never sent by Celery; settles every earlier one
-            else:
-                unsettled.pop(delivery_tag, None)
-            return ack(delivery_tag, multiple, *args, **kwargs)
-
-        def basic_reject(delivery_tag: int, requeue: bool, *args: Any, **kwargs: Any) -> Any:
-            unsettled.pop(delivery_tag, None)
-            return reject(delivery_tag, requeue, *args, **kwargs)
-
-        channel.basic_ack, channel.basic_reject = basic_ack, basic_reject  # type: ignore[method-assign]
-
     def _on_its_way(self, name: str, now: float) -> bool:
-        """A consumer of ``name`` started or kept within the pending window may be pushed a message now, unless
-        a ``basic_get`` since it was settled found the queue empty."""
-        nothing = self._nothing_coming
-        return any(now - t < self._pending_window and tag not in nothing for tag, t in self._out[name].items())
-
-    def _found_empty(self, name: str) -> None:
-        """A ``basic_get`` of ``name`` just answered empty: its consumers whose last message was settled before
-        it was sent have nothing on its way."""
-        waiting = set(self._unsettled.values())
-        self._nothing_coming.update(tag for tag in self._out[name] if tag not in waiting)
+        return self._settle_watch.on_its_way(self._out[name], now, self._pending_window)
 
     def _consume(self, name: str) -> None:
         self._quiet = None  # a new consumer's queue may have a message on its way
@@ -197,7 +167,7 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _cancel(self, tag: str) -> None:
         self._queue_of.pop(tag, None)
-        self._nothing_coming.discard(tag)
+        self._settle_watch.gone(tag)
         self.channel.basic_cancel(tag, nowait=True)
         # nowait: py-amqp drops the callback only on cancel-ok. A delivery still in flight for it
         # then finds no callback, and py-amqp gives it back (basic_reject with requeue).
@@ -249,7 +219,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             return
         now = time.monotonic()
         self._hand[name].append((raw, now, tag))
-        self._nothing_coming.discard(tag)
+        self._settle_watch.gone(tag)
         self._watch_hand(now)
         self._quiet = None
         self._count_held(name, 1)
@@ -276,7 +246,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Nothing arrived and no consumer changed since that take found nothing: the same answer, without
             # looking at every queue again (a worker draining short tasks with a slot kept for realtime asks
             # realtime once per task this way; the pending window only closes with time, never reopens).
-            return Take(empty=quiet[2].empty, empty_queues=quiet[2].empty_queues)
+            return Take(empty=quiet[2].empty, empty_queues=self._due_reports(quiet[2].empty_queues, time.monotonic()))
         self._quiet = None
         now = time.monotonic()
         self._deferred = False
@@ -287,6 +257,10 @@ class AmqpConsumeSource(AmqpFetchSource):
         coming: set[Tier] = set()  # tiers with a message perhaps on its way: not known to be empty
         held: tuple[Tier, str] | None = None
         for tier in order:
+            quiet_tier = self._quiet_tier(tier, now)
+            if quiet_tier is not None:  # every queue of the tier pushed, none with a message in hand or coming
+                idle.extend((tier, name) for name in quiet_tier)
+                continue
             for c in self.served.candidates(tier):
                 name = c.name
                 if name not in self.pushed:
@@ -319,7 +293,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         found, asked = self._first_found(plan, now)
         for _, name in plan:
             if name in pending and self._empty_at.get(name) == now:  # asked now and found empty
-                self._found_empty(name)
+                self._settle_watch.found_empty(self._out[name])
         if found is None:
             # py-amqp reads deliveries while it waits for a get's answer: a pushed queue asked because its next
             # message was on its way may have it in hand now, and it comes before whatever was held.
@@ -338,20 +312,47 @@ class AmqpConsumeSource(AmqpFetchSource):
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
             else:
                 self._out[name][tag] = now  # pushed its next message once Celery acks this one
-                self._nothing_coming.discard(tag)
-                if len(self._unsettled) > UNSETTLED_MAX:  # settled by a path not watched (cannot happen): forget
-                    self._unsettled.clear()
-                self._unsettled[raw.delivery_tag] = tag
+                self._settle_watch.kept(tag, raw.delivery_tag)
             self._top_up(name, target)
             found = (tier, name, raw)
+        if found is not None:
+            self._reported_idle.pop(found[1], None)  # busy again: reported at once when it next finds nothing
         rank = {tier: i for i, tier in enumerate(order)}
         looked = sorted(asked + idle, key=lambda tq: rank[tq[0]])  # stable: asking order inside a tier
         take = self._take_found(found, looked)
         take.empty = tuple(t for t in take.empty if t not in coming)
+        full_report = take.empty_queues
+        take.empty_queues = self._due_reports(full_report, now)
         self._all_pushed = all_pushed and held is None
         if found is None and held is None and all_pushed and not plan and not pending and not self._deferred:
-            self._quiet = (asking, self.served.version, take)
+            self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report))
         return take
+
+    def _quiet_tier(self, tier: Tier, now: float) -> list[str] | None:
+        """``tier``'s queues if every one is pushed with nothing in hand, parked or on its way (all empty: no
+        need to order them), else None."""
+        lane = self.served.promoted.get(tier)
+        names = [lane, *self.served.by_tier[tier]] if lane else self.served.by_tier[tier]
+        pushed, hand, parked = self.pushed, self._hand, self._parked
+        for name in names:
+            if name not in pushed or hand[name] or name in parked or self._on_its_way(name, now):
+                return None
+        return names
+
+    def _due_reports(self, queues: tuple[str, ...], now: float) -> tuple[str, ...]:
+        """Of the queues found empty, those to report to the scheduler now: each pushed queue at most every
+        ``IDLE_REPORT_INTERVAL`` while it stays empty (its consumer tells when work comes; reporting a dozen idle
+        queues on every take was most of a busy one-slot worker's fetch cost). Queues asked by ``basic_get``
+        are reported every time, as before."""
+        reported, pushed = self._reported_idle, self.pushed
+        due = []
+        for name in queues:
+            if name in pushed:
+                if now - reported.get(name, float("-inf")) < IDLE_REPORT_INTERVAL:
+                    continue
+                reported[name] = now
+            due.append(name)
+        return tuple(due)
 
     def _hold_target(self, tier: Tier) -> int:
         """Messages one of ``tier``'s queues may have in hand or coming.

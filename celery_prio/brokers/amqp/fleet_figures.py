@@ -43,6 +43,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import amqp
@@ -147,7 +148,7 @@ class FleetFigures:
         self._report_state: tuple = ()
         self._record: FleetRecord | None = None  # the fleet's record as last read (not the housekeeper)
         self._record_at = float("-inf")
-        self.nudge: Any = lambda: None  # a look within ``TICK_INTERVAL`` (set by the worker's loop)
+        self.nudge: Callable[[], None] = lambda: None  # a look within ``TICK_INTERVAL`` (set by the worker's loop)
 
     def ran(self, queue: str) -> None:
         """A run of ``queue`` ended: a look soon if it is the first the fleet would hear of (a cold start)."""

@@ -37,7 +37,11 @@ SWEEP_INTERVAL = 1.0
 #: How often the housekeeper sums the live slots per tier for admission by predicted wait; the sum lives a few
 #: intervals (a housekeeper gone, publishes admit by cap alone until the next one writes it).
 ADMISSION_INTERVAL = 0.5
+#: While the sum moved in the last ``SLOTS_SETTLE`` seconds (a cold fleet, workers joining or leaving) it is
+#: read every ``SLOTS_INTERVAL``; a steady fleet's every ``ADMISSION_INTERVAL`` (read every 0.1 s for good, it
+#: cost an idle fleet's Redis 40 commands a second and woke every worker's loop ten times a second).
 SLOTS_INTERVAL = 0.1
+SLOTS_SETTLE = 5.0
 ADMISSION_TTL_MS = 3000
 ESTIMATES_INTERVAL = 0.5
 
@@ -89,6 +93,8 @@ class RedisHousekeeping:
         self._estimates_shared_at = float("-inf")
         self._slots_shared: dict[Tier, float] = {}
         self._slots_shared_at = float("-inf")
+        self._slots_moved_at = float("-inf")
+        self._slots_soon = Soon(self._share_slots, SLOTS_INTERVAL, "sum the slots serving each tier (admission)")
 
     @property
     def channel(self) -> RedisChannel:
@@ -106,8 +112,10 @@ class RedisHousekeeping:
             fleet.append(Job(DEAD_CAP_INTERVAL, self._cap_dead_letters, "keep the dead letters under their cap"))
         admits = any(budget is not None for budget in self.settings.max_wait.values())
         if admits:
-            # Summed every SLOTS_INTERVAL (a cold fleet needs them from its first runs), written when they change.
-            fleet.append(Job(SLOTS_INTERVAL, self._share_slots, "sum the slots serving each tier (admission)"))
+            # Summed every ADMISSION_INTERVAL, and every SLOTS_INTERVAL while the sum moves (a cold fleet needs
+            # them from its first runs); written when they change.
+            self._slots_soon.hub = getattr(self.source, "hub", None)
+            fleet.append(Job(ADMISSION_INTERVAL, self._share_slots, "sum the slots serving each tier (admission)"))
         if any(self.settings.aging[t] is not None for t in AGING_TIERS):
             # The housekeeper ages every tier, whatever its own -Q: offline ages into batch with no offline
             # worker at all.
@@ -143,8 +151,14 @@ class RedisHousekeeping:
 
     def _share_slots(self) -> None:
         """The live slots serving each tier, for the publish script's predicted wait (``guarded_push.lua``)."""
+        if not self.source.housekeeper:  # a look the pace asked for after the lease moved on
+            return
         slots = figures.slots_serving(self.channel.client, self.settings)
         now = time.monotonic()
+        if slots != self._slots_shared:
+            self._slots_moved_at = now
+        if now - self._slots_moved_at < SLOTS_SETTLE:
+            self._slots_soon.nudge()
         if slots == self._slots_shared and now - self._slots_shared_at < ADMISSION_INTERVAL:
             return
         self._slots_shared, self._slots_shared_at = slots, now
