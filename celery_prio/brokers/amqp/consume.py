@@ -110,6 +110,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         # delivery or a consumer change, the same ask finds nothing again (see ``take``).
         self._quiet: tuple[tuple[Tier, ...], int, Take] | None = None
         self._give_back_at = float("-inf")  # when the look for messages held too long is due (armed until then)
+        self._look_timer: Any = None  # that look's timer: one at a time (a re-arm cancels the one before)
         self._reported_idle: dict[str, float] = {}  # pushed queue -> when it was last reported empty
 
     @property
@@ -208,6 +209,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._give_back(name)
         self.pushed.discard(name)
         self._parked.discard(name)
+        self._reported_idle.pop(name, None)
         del self._out[name], self._hand[name]
 
     def _arrived(self, raw: AmqpMessage) -> None:
@@ -384,19 +386,31 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _watch_hand(self, now: float) -> None:
         """A message came into the hand: a look for messages held too long is due ``prio_hold_max`` later."""
-        if now >= self._give_back_at and self._hub is not None:
-            self._give_back_at = now + self.hold_max
-            self._hub.call_later(self.hold_max, self._look_at_hand)
+        if now >= self._give_back_at:  # no look armed yet
+            self._arm_look(now, self.hold_max)
+
+    def _arm_look(self, now: float, delay: float) -> None:
+        """The look at the hand, ``delay`` from ``now``, in place of any armed before: the backstop's round
+        re-arms too, and each armed look re-arms itself while the hand holds anything, so without the cancel
+        every round would add a chain of looks."""
+        if self._hub is None:
+            return
+        if self._look_timer is not None:
+            self._hub.timer.cancel(self._look_timer)
+        self._give_back_at = now + delay
+        self._look_timer = self._hub.call_later(delay, self._look_at_hand)
 
     def _look_at_hand(self) -> None:
-        """Give back what was held too long; then, while anything is in hand, look again when the oldest is due."""
-        self._give_back_at = float("-inf")
+        """Give back what was held too long; then, while anything is in hand, look again when the oldest is due.
+        (Run by its timer or by the backstop's round: whichever runs, the other armed look is cancelled.)"""
+        if self._look_timer is not None and self._hub is not None:
+            self._hub.timer.cancel(self._look_timer)  # this one, already running (a no-op), or the one armed
+        self._give_back_at, self._look_timer = float("-inf"), None
         self.give_back_stale()
         oldest = min((hand[0][1] for hand in self._hand.values() if hand), default=None)
-        if oldest is not None and self._hub is not None:
-            delay = max(oldest + self.hold_max - time.monotonic(), GIVE_BACK_MIN_WAIT)
-            self._give_back_at = time.monotonic() + delay
-            self._hub.call_later(delay, self._look_at_hand)
+        if oldest is not None:
+            now = time.monotonic()
+            self._arm_look(now, max(oldest + self.hold_max - now, GIVE_BACK_MIN_WAIT))
 
     def give_back_stale(self) -> None:
         """Held past ``prio_hold_max``: back to the queue, where another worker can run it."""
