@@ -227,3 +227,67 @@ def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_e
     heal.run(source.channel)  # empty again: its linger goes on from when it was first found empty
     assert acme not in members()
     conn.release()
+
+
+def test_a_fetch_orders_and_asks_only_queues_with_work_and_reports_the_others_now_and_then(redis_env):
+    """500 tenants served, one with work: the fetch passes the script that tenant's lists and the tier lists,
+    not 2,000 keys, and the idle tenants are reported empty at most every ``UNASKED_REPORT_INTERVAL``-ish
+    (their share lifted when they come back), not on every fetch."""
+    from celery_prio.brokers.redis import asking
+
+    env = redis_env
+    s = settings_for(env.app)
+    conn, source = _source(env, "fetcher-o")
+    source.served.set_known([s.subqueue_name(Tier.BATCH, f"t{i}") for i in range(500)])  # not from the registry
+    source._full_at = float("inf")
+    sleep = env.app.tasks["t.sleep"]
+    assert source.take(list(ORDER)).message is None  # the copy is read
+    for i in range(3):
+        sleep.apply_async((f"w{i}", 0), tier="batch", subqueue="t7")
+    take = source.take(list(ORDER))
+    if take.message is None:  # the tenant joined the index since the copy: asked again at once
+        take = source.take(list(ORDER))
+    assert take.message.payload[0][0] == "w0"
+    take.message.ack()
+    asked = {c.name for _, c in source.plan.lists(list(ORDER))}
+    assert s.subqueue_name(Tier.BATCH, "t7") in asked and len(asked) <= 10, sorted(asked)
+    # The idle tenants were reported with the first fetch after the copy; not with the next ones.
+    second = source.take(list(ORDER))
+    assert second.message.payload[0][0] == "w1" and len(second.empty_queues) < 10
+    second.message.ack()
+    source.plan._unasked_reported.clear()  # as if the report were due
+    third = source.take(list(ORDER))
+    assert third.message.payload[0][0] == "w2" and len(third.empty_queues) >= 499
+    third.message.ack()
+    assert asking.UNASKED_REPORTS_PER_S * 2 >= 500  # 500 idle tenants: reported every 2 s at most
+    conn.release()
+
+
+def test_the_doorbells_net_sees_lists_with_work_by_the_index_and_uncovered_lists_by_exists(redis_env):
+    """At each doorbell timeout an idle worker asks whether any list it serves holds work, in one round trip:
+    the index for the lists it covers (a raw push the housekeeper's round has put back), EXISTS for the rest."""
+    env = redis_env
+    s = settings_for(env.app)
+    client = adapter_client(env)
+    conn, source = _source(env, "fetcher-d")
+    acme = s.subqueue_name(Tier.BATCH, "acme")
+    waiting = lambda: source.plan.anything_waiting(source.channel.client, list(ORDER))  # noqa: E731
+    env.app.tasks["t.sleep"].apply_async(("x", 0), tier="batch", subqueue="acme")  # the tenant is registered
+    assert waiting()
+    source._full_at = float("inf")
+    take = source.take(list(ORDER))
+    take = take if take.message is not None else source.take(list(ORDER))
+    take.message.ack()
+    client.srem(s.ready_key, acme)  # as after its linger
+    assert not waiting()
+    client.lpush(acme, message(task_id="raw-sub"))  # a writer that does not know the index
+    assert not waiting()  # not indexed yet: the housekeeper's round puts it there ...
+    ReadyHeal(s).run(source.channel)
+    assert waiting()  # ... and the next timeout sees it
+    client.delete(acme)
+    client.srem(s.ready_key, acme)
+    assert not waiting()
+    client.lpush(s.queue_name(Tier.OFFLINE), message(task_id="raw-tier"))  # a tier list: always asked by EXISTS
+    assert waiting()
+    client.delete(s.queue_name(Tier.OFFLINE))
+    conn.release()

@@ -64,3 +64,25 @@ def test_subqueue_settings_are_checked():
         load_settings({}, {"subqueue_key": 42})
     with pytest.raises(ConfigError, match=r"prio_subqueue_max_length\[batch\] must be an int"):
         load_settings({}, {"subqueue_max_length": {"batch": 0}})
+
+
+def test_a_queue_found_empty_once_and_not_reported_since_is_lifted_when_ordered():
+    """A fetch that knows a queue is empty without asking it (Redis's ready index) stops reporting it on every
+    fetch: ordering lifts it instead, so it comes back level with the busy queues, with no credit banked."""
+    shares = QueueShares(lambda name: 1.0)
+    shares.empty("b")  # found empty once ...
+    for _ in range(500):  # ... then never reported again while a runs 500 tasks
+        shares.finished("a", 0.1, shares.dispatched("a"))
+    picks = []
+    backlog = {"a": 1000, "b": 1000}
+    for _ in range(20):
+        name = shares.order(backlog, lift_idle=True)[0]
+        shares.finished(name, 0.1, shares.dispatched(name))
+        picks.append(name)
+    assert 9 <= picks.count("b") <= 11, picks  # its half, not 20 in a row
+    # Without the lift, b would have banked 500 tasks of credit while it had nothing to run.
+    stale = QueueShares(lambda name: 1.0)
+    stale.empty("b")
+    for _ in range(500):
+        stale.finished("a", 0.1, stale.dispatched("a"))
+    assert stale.order(backlog)[:1] == ["b"] and stale.queues["b"].vtime < stale.queues["a"].vtime - 10

@@ -66,11 +66,25 @@ class QueueShares:
             self._level_cache = None  # a new queue at the level: the max over all may be it
         return state
 
-    def order(self, names: Iterable[str]) -> list[str]:
-        """``names`` most deserving first (finish tag, then name: equal queues take turns)."""
+    def order(self, names: Iterable[str], lift_idle: bool = False) -> list[str]:
+        """``names`` most deserving first (finish tag, then name: equal queues take turns).
+
+        ``lift_idle``: ``names`` are queues the caller found work in, and it does not report the queues it
+        knows are empty on every fetch (Redis's ready index, ``RedisFetchSource.take``). A queue still idle
+        (found empty, not taken from since) is then lifted to the level and counted busy again: it comes
+        back level with the busy queues, with no credit banked while it had nothing to run.
+        """
+        level: float | None = None
 
         def finish(name: str) -> tuple[float, str]:
-            return self._state(name).finish_tag(self._weight(name)), name
+            nonlocal level
+            state = self._state(name)
+            if lift_idle and state.idle:  # at the level: moves neither the level nor its cache (see ``empty``)
+                if level is None:
+                    level = self._level()
+                state.lift(level)
+                state.idle = False
+            return state.finish_tag(self._weight(name)), name
 
         return sorted(names, key=finish)
 

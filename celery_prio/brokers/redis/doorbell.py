@@ -9,9 +9,10 @@ hands one token to the longest-waiting worker, so one message wakes one
 worker, and that worker then fetches through the scheduler's order as
 always (a tier that rang first is not served first for it). The block ends
 after ``BELL_TIMEOUT`` seconds with no token; the worker then asks whether
-any of its queues holds anything (one ``EXISTS`` over all of them: the
-safety net for the rare paths that ring no bell, kombu's own restore or a
-requeued dead letter) and fetches only if one does, else blocks again.
+any of its queues holds anything (one round trip: the ready index, and
+``EXISTS`` over the lists it does not cover; the safety net for the rare
+paths that ring no bell, a writer that does not know them) and fetches only
+if one does, else blocks again.
 
 A token that reaches a worker which has meanwhile filled its slots goes back
 onto its bell, so another idle worker is woken in its place.
@@ -60,10 +61,10 @@ class Doorbell:
         hub: Hub,
         on_ring: Callable[[], None],
         free_slots: Callable[[], int],
-        lists_of: Callable[[list[Tier]], list[str]],
+        anything_waiting: Callable[[Redis, list[Tier]], bool],
     ) -> None:
         self.make_client = make_client
-        self.lists_of = lists_of  # the lists a worker serves in these tiers (the safety net asks them)
+        self.anything_waiting = anything_waiting  # whether a list the worker serves in these tiers holds work
         self.settings = settings
         self.hub = hub
         self.on_ring = on_ring
@@ -137,9 +138,9 @@ class Doorbell:
             self._client.connection_pool.release(connection)  # the reply was read: the connection is sound
 
     def _anything_waiting(self, tiers: list[Tier]) -> bool:
-        """One ``EXISTS`` over every list of ``tiers`` (True when it cannot tell: fetch to find out)."""
+        """Whether any list of ``tiers`` holds work, in one round trip (True when it cannot tell: fetch)."""
         try:
-            return bool(self._client.exists(*self.lists_of(tiers)))
+            return self.anything_waiting(self._client, tiers)
         except (*_ERRORS, *_REPLY_ERRORS):
             return True
 

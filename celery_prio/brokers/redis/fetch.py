@@ -14,6 +14,7 @@ from ...untrusted import decode_problem, decode_redis_element, split_unacked_ent
 from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
 from ..shared import as_text
 from . import figures
+from .asking import ListPlan
 from .doorbell import Doorbell
 from .housekeeping import SWEEP_BATCH, RedisHousekeeping
 from .liveness import HOUSEKEEPER_LEASE, PROCESS_HEARTBEAT
@@ -69,6 +70,7 @@ class RedisFetchSource(BrokerFetchSource):
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
         self._full_at = float("-inf")  # the last fetch that asked every list (``take``)
         self._ready = ReadyCopy(self.settings, channel.sep)  # this worker's copy of the ready index
+        self.plan = ListPlan(served, self._ready, channel._q_for_pri, channel.priority_steps)
 
     def attach_loop(self, hub: Hub) -> None:
         self.hub = hub
@@ -78,7 +80,7 @@ class RedisFetchSource(BrokerFetchSource):
             hub,
             on_ring=lambda: self.on_arrival(),
             free_slots=lambda: self.free_slots(),
-            lists_of=lambda tiers: [k for t in tiers for c in self.served.candidates(t) for k in self.keys_for(c.name)],
+            anything_waiting=self.plan.anything_waiting,
         )
 
     def wait_for_work(self, order: list[Tier]) -> bool:
@@ -94,7 +96,7 @@ class RedisFetchSource(BrokerFetchSource):
     asks_all_queues_in_one_call = True
 
     def keys_for(self, queue: str) -> list[str]:
-        return [self.channel._q_for_pri(queue, pri) for pri in self.channel.priority_steps]
+        return self.plan.keys_for(queue)
 
     def take(self, order: list[Tier]) -> Take:
         # Tiers whose bells this worker waits on are known to be empty: not asked (a busy worker whose
@@ -107,45 +109,42 @@ class RedisFetchSource(BrokerFetchSource):
             quiet = self.doorbell.quiet_tiers() & self._found_empty[1]
         if quiet.issuperset(order):
             return Take(empty=tuple(order))
-        every: list[tuple[str, Candidate]] = []  # every list of the tiers asked, in asking order
-        for tier in order:
-            if tier in quiet:
-                continue
-            for candidate in self.served.candidates(tier):
-                every.extend((key, candidate) for key in self.keys_for(candidate.name))
-        # Only the lists the ready index holds (this worker's copy of it) are passed, and those it does not
-        # cover: what the script is sent does not grow with the lists served, most of them empty.
-        hit, asked = self._fetch_ready(every)
+        tiers = [t for t in order if t not in quiet]
+        # Only the lists the ready index holds (this worker's copy of it) are ordered and passed, and those it
+        # does not cover: a fetch's cost, here and in the script, does not grow with the lists served, most of
+        # them empty. The queues left out are empty by the index; they are reported so now and then.
+        hit, asked = self._fetch_ready(tiers)
+        full = False
         if hit is None and time.monotonic() - self._full_at >= FULL_ASK_INTERVAL:
             # The index found nothing: once a second at most, every list is asked (and the index mended), so a
             # writer that does not know the index (an older producer, a plain kombu client) is seen here too.
             self._full_at = time.monotonic()
             self.broker_calls += 1
-            hit, asked = self.fetch([k for k, _ in every], [c.tier for _, c in every], full=True), every
-        owners = [c for _, c in every]
+            asked, full = self.plan.lists(tiers, every=True), True
+            hit = self.fetch([k for k, _ in asked], [c.tier for _, c in asked], full=True)
+        unasked = () if full else self.plan.due_unasked(tiers)
         if hit is None:
             if not quiet:  # every list of these tiers asked and found empty, as served now
                 seen = self._found_empty[1] if self._found_empty[0] == version else frozenset()
                 self._found_empty = (version, seen | frozenset(order))
-            return Take(empty=tuple(order), empty_queues=tuple(dict.fromkeys(c.name for c in owners)))
+            owners = dict.fromkeys(c.name for _, c in asked)
+            return Take(empty=tuple(order), empty_queues=(*owners, *unasked))
         position, message = hit
         if message is None:
             return Take(dead_lettered=1)
-        index = every.index(asked[position])  # where the list it came from is in asking order
-        candidate = owners[index]
-        passed = tuple(dict.fromkeys(c.name for c in owners[:index] if c.name != candidate.name))
-        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name, passed)
+        candidate = asked[position][1]
+        passed = dict.fromkeys(c.name for _, c in asked[:position] if c.name != candidate.name)
+        return Take(candidate.tier, message, tuple(order[: order.index(candidate.tier)]), 0, candidate.name,
+                    (*passed, *unasked))  # fmt: skip
 
-    def _fetch_ready(
-        self, every: list[tuple[str, Candidate]]
-    ) -> tuple[tuple[int, Message | None] | None, list[tuple[str, Candidate]]]:
-        """The fetch over the lists of ``every`` that the ready index may hold; asked again at once when the
+    def _fetch_ready(self, tiers: list[Tier]) -> tuple[tuple[int, Message | None] | None, list[tuple[str, Candidate]]]:
+        """The fetch over the lists of ``tiers`` that the ready index may hold; asked again at once when the
         reply shows the index gained a list since this worker's copy (a first message in an empty list): the
         script takes nothing from a stale copy's lists, so a list that joined since is never passed over."""
         self._ready.expire_if_older(COPY_REFRESH)
         for attempt in range(3):
             seen = self._ready.members
-            asked = self._ready.select(every)
+            asked = self.plan.lists(tiers)
             checked = self._ready.version if seen is not None and attempt < 2 else ""
             self.broker_calls += 1
             hit = self.fetch([k for k, _ in asked], [c.tier for _, c in asked], checked=checked)

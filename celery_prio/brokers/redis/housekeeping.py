@@ -290,6 +290,9 @@ class RedisHousekeeping:
     def _age(self) -> None:
         now = time.time()
         subqueues = self.source.discover_subqueues() or []
+        if subqueues:  # only sub-queues with work are looked at: 500 idle tenants cost no round trip each
+            with_work = {as_text(m) for m in self.channel.client.smembers(self.settings.ready_key)}
+            subqueues = [name for name in subqueues if name in with_work or not self.settings.is_indexed(name)]
         for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
             self.aging.promote_aged(self.settings, tier, now)
             for name in subqueues:  # one pass per sub-queue: every worker ages, whatever its -Q

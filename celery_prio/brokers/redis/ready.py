@@ -74,13 +74,19 @@ class ReadyCopy:
     def __init__(self, settings: PrioSettings, sep: str) -> None:
         self.settings, self.sep = settings, sep
         self.members: frozenset[str] | None = None  # None: not read yet (every list is passed)
+        self.queues: frozenset[str] = frozenset()  # the queues of ``members``' lists (a queue with work, by it)
         self.version = ""
         self.read_at = float("-inf")  # monotonic
         self._kinds: dict[str, str] = {}  # list -> 'uncovered', 'pinned' or 'sub-queue'
 
-    def select(self, every: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    def may_have_work(self, queue: str) -> bool:
+        """Whether a fetch passes any of ``queue``'s lists (one in the copy, or one always passed): those it
+        does not are empty by the index, and are neither ordered nor asked (``RedisFetchSource.take``)."""
+        return self.members is None or queue in self.queues or self.passed(queue)
+
+    def select(self, keys: list[str]) -> list[str]:
         members = self.members
-        return every if members is None else [(k, c) for k, c in every if k in members or self.passed(k)]
+        return keys if members is None else [k for k in keys if k in members or self.passed(k)]
 
     def moved(self, client: Any, version: object, members: Any = None) -> None:
         """A fetch reply saw the index at ``version`` (and, when it refused a stale copy, its ``members``)."""
@@ -88,6 +94,7 @@ class ReadyCopy:
         if text != self.version or self.members is None:
             found = client.smembers(self.settings.ready_key) if members is None else members
             self.members = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in found)
+            self.queues = frozenset(m.split(self.sep, 1)[0] for m in self.members)
             self.version, self.read_at = text, time.monotonic()
 
     def expire_if_older(self, seconds: float) -> None:
