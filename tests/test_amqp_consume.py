@@ -115,6 +115,40 @@ def test_a_queue_whose_next_message_may_be_coming_is_asked_before_a_lower_tier_i
         second.message.ack()
 
 
+def test_a_get_that_finds_a_queue_empty_after_its_last_message_was_settled_closes_its_window(amqp_env):
+    """While realtime's last message is unsettled its next may still be pushed, so a take with a lower tier in
+    hand asks realtime by ``basic_get`` (every time: an empty answer then proves nothing). Once that message is
+    settled, one empty answer proves nothing is on its way (RabbitMQ handles a channel's methods in order): the
+    takes after it do not ask realtime again (a realtime trickle cost a busy worker a round trip per task)."""
+    env = amqp_env
+    with push_source(env, free=3, poll_interval=1.0) as (source, conn):
+        source.take(ORDER)
+        time.sleep(1.2)  # consumers started longer ago than the window
+        sleep = env.app.tasks["t.sleep"]
+        for label, tier in (("r0", "realtime"), ("b0", "batch"), ("o0", "offline")):
+            sleep.apply_async((label, 0), tier=tier)
+        pump_until(conn, lambda: source.held == 3)
+        realtime = settings_for(env.app).queue_name(R)
+        first = source.take(ORDER)  # r0: realtime's consumer waits for its ack, its next may come then
+        assert first.message.payload[0][0] == "r0"
+        source.gets.clear()
+        second = source.take(ORDER)
+        assert second.message.payload[0][0] == "b0" and [realtime] in source.gets  # asked: r0 is unsettled
+        first.message.ack()
+        source.gets.clear()
+        third = source.take(ORDER)  # asked once more, after the settle: its empty answer is the proof
+        assert third.message.payload[0][0] == "o0" and any(realtime in asked for asked in source.gets)
+        sleep.apply_async(("o1", 0), tier="offline")
+        third.message.ack()  # offline's consumer is pushed o1
+        pump_until(conn, lambda: source.held == 1)
+        source.gets.clear()
+        fourth = source.take(ORDER)
+        assert fourth.message.payload[0][0] == "o1"
+        assert not any(realtime in asked for asked in source.gets), source.gets  # nothing on its way: not asked
+        second.message.ack()
+        fourth.message.ack()
+
+
 def first_of_batch(env, source, conn, task: str, n: int):
     """Publish ``n`` batch calls of ``task``; take the first once it is pushed (one slot free)."""
     source.take(ORDER)
