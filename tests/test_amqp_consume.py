@@ -296,6 +296,41 @@ def test_sub_queues_are_pushed_too_and_taken_in_tier_order(amqp_env):
         assert source.broker_calls <= calls + 1
 
 
+def test_a_take_orders_only_the_pushed_queues_that_may_have_a_message(amqp_env):
+    """200 tenants pushed, one with work: a take orders that one (and the tier's own queue, its next message
+    perhaps on its way), not the 200, and reports the idle ones empty now and then, not on every take."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        prio = settings_for(env.app)
+        subs = [prio.subqueue_name(B, f"t{i}") for i in range(200)]
+        source.prepare_subqueues(subs)
+        source.served.set_discovered(subs)
+        assert source.take(ORDER).message is None
+        sleep = env.app.tasks["t.sleep"]
+        for i in range(3):
+            sleep.apply_async((f"w{i}", 0), tier="batch", subqueue="t7")
+        pump_until(conn, lambda: source.held == 1)
+        time.sleep(2 * prio.poll_interval)  # past the window in which a new consumer's queue counts as pending
+        ordered: list[int] = []
+        real_candidates = source.served.candidates
+        source.served.candidates = lambda tier, keep=None: (
+            ordered.append(  # type: ignore[method-assign]
+                sum(1 for n in source.served.by_tier[tier] if keep is None or keep(n))
+            )
+            or real_candidates(tier, keep)
+        )
+        reports = []
+        for i in range(3):
+            take = source.take(ORDER)
+            assert take.message.payload[0][0] == f"w{i}"
+            reports.append(len(take.empty_queues))
+            take.message.ack()
+            if i < 2:
+                pump_until(conn, lambda: source.held == 1)
+        assert ordered and max(ordered) <= 3, ordered  # t7 (and perhaps the tier queue), never the 200
+        assert reports[0] >= 199 and max(reports[1:]) < 10, reports  # the idle tenants: once, not every take
+
+
 def test_consume_mode_refuses_quorum_queues_and_bad_values():
     with pytest.raises(ConfigError, match=r"prio_fetch='consume' needs classic queues"):
         load_settings({"prio_fetch": "consume", "prio_queue_type": "quorum"})

@@ -74,6 +74,8 @@ PUSH_MAX = 1024
 HOLD_SHARE = 0.5
 #: A pushed queue that stays empty is reported to the scheduler (looked at, idle) at most this often.
 IDLE_REPORT_INTERVAL = 0.05
+#: Idle pushed queues reported a second at most, per take's report (a tier of many is reported less often).
+IDLE_REPORTS_PER_S = 250
 #: Seconds between looks at the hand when no delivery armed one (a look lost with a restarted loop).
 HAND_BACKSTOP = 1.0
 #: The shortest wait before looking at the hand again (a message due now is past ``prio_hold_max`` then).
@@ -259,12 +261,14 @@ class AmqpConsumeSource(AmqpFetchSource):
         coming: set[Tier] = set()  # tiers with a message perhaps on its way: not known to be empty
         held: tuple[Tier, str] | None = None
         for tier in order:
-            quiet_tier = self._quiet_tier(tier, now)
-            if quiet_tier is not None:  # every queue of the tier pushed, none with a message in hand or coming
-                idle.extend((tier, name) for name in quiet_tier)
-                continue
-            for c in self.served.candidates(tier):
+            # Pushed queues with nothing in hand, parked or on its way are empty: neither ordered nor looked at
+            # again (500 idle tenants are not sorted on every take); the others are ordered as the tier shares.
+            active, empty = self._split(tier, now)
+            idle.extend((tier, name) for name in empty)
+            for c in self.served.candidates(tier, active.__contains__) if active else ():
                 name = c.name
+                if name not in active:
+                    continue  # the front lane, when empty (``candidates`` keeps it whatever ``keep`` says)
                 if name not in self.pushed:
                     all_pushed = False
                     if not self._skip(name, now):
@@ -330,27 +334,34 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report))
         return take
 
-    def _quiet_tier(self, tier: Tier, now: float) -> list[str] | None:
-        """``tier``'s queues if every one is pushed with nothing in hand, parked or on its way (all empty: no
-        need to order them), else None."""
+    def _split(self, tier: Tier, now: float) -> tuple[set[str], list[str]]:
+        """``tier``'s queues that may have a message (not pushed, or one in hand, parked or on its way), and
+        the rest: pushed with nothing in hand nor coming, so empty."""
         lane = self.served.promoted.get(tier)
         names = [lane, *self.served.by_tier[tier]] if lane else self.served.by_tier[tier]
-        pushed, hand, parked = self.pushed, self._hand, self._parked
+        pushed, hand, parked, out = self.pushed, self._hand, self._parked, self._out
+        horizon = now - self._pending_window
+        active: set[str] = set()
+        empty: list[str] = []
         for name in names:
-            if name not in pushed or hand[name] or name in parked or self._on_its_way(name, now):
-                return None
-        return names
+            armed = name in pushed and any(at > horizon for at in out[name].values())  # within the window
+            if name not in pushed or hand[name] or name in parked or (armed and self._on_its_way(name, now)):
+                active.add(name)
+            else:
+                empty.append(name)
+        return active, empty
 
     def _due_reports(self, queues: tuple[str, ...], now: float) -> tuple[str, ...]:
         """Of the queues found empty, those to report to the scheduler now: each pushed queue at most every
-        ``IDLE_REPORT_INTERVAL`` while it stays empty (its consumer tells when work comes; reporting a dozen idle
-        queues on every take was most of a busy one-slot worker's fetch cost). Queues asked by ``basic_get``
-        are reported every time, as before."""
+        ``IDLE_REPORT_INTERVAL`` while it stays empty, less often where a take finds many (``IDLE_REPORTS_PER_S``;
+        its consumer tells when work comes, and an idle queue ordered again is lifted level then). Queues asked
+        by ``basic_get`` are reported every time, as before."""
         reported, pushed = self._reported_idle, self.pushed
+        every = max(IDLE_REPORT_INTERVAL, len(queues) / IDLE_REPORTS_PER_S)  # 500 idle tenants: every 2 s
         due = []
         for name in queues:
             if name in pushed:
-                if now - reported.get(name, float("-inf")) < IDLE_REPORT_INTERVAL:
+                if now - reported.get(name, float("-inf")) < every:
                     continue
                 reported[name] = now
             due.append(name)
