@@ -331,6 +331,36 @@ def test_a_take_orders_only_the_pushed_queues_that_may_have_a_message(amqp_env):
         assert reports[0] >= 199 and max(reports[1:]) < 10, reports  # the idle tenants: once, not every take
 
 
+def test_pushes_to_another_tier_leave_an_empty_answer_standing(amqp_env):
+    """A slot kept for realtime asks realtime once per task of a batch drain: batch messages pushed meanwhile
+    do not make that ask look at realtime's queues again, and a realtime push does (it is taken at once)."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        prio = settings_for(env.app)
+        assert source.take(ORDER).message is None  # consumers started
+        time.sleep(prio.poll_interval * 1.2)  # past the window in which a new consumer's queue counts as pending
+        assert source.take([R]).message is None
+        sleep = env.app.tasks["t.sleep"]
+        for i in range(2):
+            sleep.apply_async((f"b{i}", 0), tier="batch")
+        pump_until(conn, lambda: source.held == 1)  # one slot free: one batch message in hand
+        looked: list[Tier] = []
+        real_split = source._split
+        source._split = lambda tier, now: looked.append(tier) or real_split(tier, now)  # type: ignore[method-assign]
+        assert source.take([R]).message is None
+        assert looked == []  # the kept answer: realtime's queues not looked at again
+        batch = source.take([B])
+        assert batch.message.payload[0][0] == "b0"
+        batch.message.ack()
+        assert source.take([R]).message is None and looked == [B]
+        assert source.wait_for_work([R])  # the loop then waits for the next push, as after a full look
+        sleep.apply_async(("r", 0), tier="realtime")
+        pump_until(conn, lambda: source.held_by_tier().get(R) == 1)
+        realtime = source.take([R])
+        assert realtime.message.payload[0][0] == "r" and R in looked
+        realtime.message.ack()
+
+
 def test_consume_mode_refuses_quorum_queues_and_bad_values():
     with pytest.raises(ConfigError, match=r"prio_fetch='consume' needs classic queues"):
         load_settings({"prio_fetch": "consume", "prio_queue_type": "quorum"})

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from celery_prio.tools.bench.core import Workload, best_of, percentile, run_mixed, summarize
+from celery_prio.tools.bench.core import Workload, best_of, percentile, round_ratios, run_mixed, summarize
 from tests.conftest import need_broker
 
 
@@ -17,6 +17,10 @@ def test_percentile_and_best_of():
     best = best_of(2, {"a": ("fifo", {"x": 1}), "b": ("prio", {})}, lambda mode, **o: calls.append(mode) or len(calls))
     assert calls == ["fifo", "prio", "prio", "fifo"]  # interleaved, order rotated each round
     assert best == {"a": 4, "b": 3}
+    # Ratios within each round (pairs that ran side by side), not of each side's best.
+    assert round_ratios([3.0, 2.0, 8.0], [2.0, 2.0, 4.0]) == (1.0, 1.5, 2.0)
+    with pytest.raises(ValueError):
+        round_ratios([1.0], [1.0, 2.0])  # rounds that do not pair up are a bug, not a figure
 
 
 def test_summarize_counts_unanswered_requests_at_the_cutoff():

@@ -42,6 +42,9 @@ from ..settings.table import IDLE_SHARE_RULES
 from ..tiers import TIERS, Tier
 from .fairshare import Flow
 
+#: Distinct tier states whose effective weights are kept (3 tiers idle or not, times ``busy_now`` sets: a few).
+WEIGHTS_CACHE_MAX = 64
+
 
 @dataclass
 class TierState(Flow):
@@ -70,6 +73,7 @@ class TierScheduler:
     #: pool process but not the tier's turn: see ``_may_take_another`` and ``_low_tiers_allowed``.
     blocked: dict[Tier, int] = field(init=False, default_factory=dict)
     vclock: float = field(init=False, default=0.0)
+    _weights_cache: dict[tuple[object, ...], dict[Tier, float]] = field(init=False, default_factory=dict, repr=False)
     #: What a dispatch is charged: its expected run time (``prio_scheduler = "time"``), corrected to the
     #: measured run time when it ends.
     mode: ClassVar[str] = "time"
@@ -110,7 +114,15 @@ class TierScheduler:
 
         ``busy_now``: tiers known to have work although their last fetch found none.
         """
-        busy_now = frozenset(busy_now)
+        return dict(self._weights(frozenset(busy_now)))
+
+    def _weights(self, busy_now: frozenset[Tier] = frozenset()) -> Mapping[Tier, float]:
+        """``effective_weights``, not copied: asked three times per task (order, dispatch, finish) and the same
+        until a tier goes idle or busy, so kept per state (the weights themselves are fixed)."""
+        key = (self.served, busy_now, *(s.idle for s in self.tiers.values()))
+        cached = self._weights_cache.get(key)
+        if cached is not None:
+            return cached
         busy = [t for t in TIERS if t in self.served and (not self.tiers[t].idle or t in busy_now)]
         eff = {t: self.tiers[t].weight for t in TIERS}
         for tier in TIERS:
@@ -120,6 +132,8 @@ class TierScheduler:
             if below:
                 eff[below[0]] += self.tiers[tier].weight
         self._apply_floor(eff, busy)
+        if len(self._weights_cache) < WEIGHTS_CACHE_MAX:
+            self._weights_cache[key] = eff
         return eff
 
     def _apply_floor(self, eff: dict[Tier, float], busy: list[Tier]) -> None:
@@ -163,7 +177,7 @@ class TierScheduler:
         candidates = [t for t in TIERS if t in self.served and self._may_take_another(t)]
         if headroom and not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
-        weights = self.effective_weights(busy_now)
+        weights = self._weights(frozenset(busy_now))
         overrun = overrun or {}
         candidates.sort(key=lambda t: (self._finish_tag(t, weights) + overrun.get(t, 0.0) / weights[t], t.value))
         return candidates
@@ -214,7 +228,7 @@ class TierScheduler:
             self.hand_off = None
         state = self.tiers[tier]
         self.vclock = max(self.vclock, state.vtime)
-        charge = state.charge(self.effective_weights()[tier], self._cost(state))
+        charge = state.charge(self._weights()[tier], self._cost(state))
         state.running += 1
         return charge
 
@@ -223,7 +237,7 @@ class TierScheduler:
         state = self.tiers[tier]
         state.running = max(state.running - 1, 0)
         state.finished += 1
-        state.settle(runtime, charge, self.effective_weights()[tier], correct=self.corrects_charges)
+        state.settle(runtime, charge, self._weights()[tier], correct=self.corrects_charges)
 
     def empty(self, tier: Tier) -> None:
         """Fetching from ``tier`` found nothing: it stops banking virtual time.

@@ -160,7 +160,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         return self._settle_watch.on_its_way(self._out[name], now, self._pending_window)
 
     def _consume(self, name: str) -> None:
-        self._quiet = None  # a new consumer's queue may have a message on its way
+        self._unquiet(name)  # a new consumer's queue may have a message on its way
         tag = f"prio-{next(self._tags)}"
         self.channel.basic_consume(
             queue=name, consumer_tag=tag, callback=self._arrived, on_cancel=self._cancelled_by_broker, nowait=True
@@ -198,7 +198,7 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def _give_back(self, name: str) -> None:
         """Every consumer of ``name`` cancelled, then its hand back to the queue (a reject makes no room then)."""
-        self._quiet = None
+        self._unquiet(name)
         out, self._out[name] = self._out[name], {}
         hand, self._hand[name] = self._hand[name], deque()
         for tag in [*out, *(tag for _, _, tag in hand)]:
@@ -225,9 +225,16 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._hand[name].append((raw, now, tag))
         self._settle_watch.gone(tag)
         self._watch_hand(now)
-        self._quiet = None
+        self._unquiet(name)
         self._count_held(name, 1)
         self.on_delivery(self.served.tier_of(name))
+
+    def _unquiet(self, name: str) -> None:
+        """``name`` changed (delivery, consumer started or given back): the kept empty answer falls if it asked
+        ``name``'s tier, only then (a batch drain's pushes leave the realtime slot's answer standing)."""
+        quiet = self._quiet
+        if quiet is not None and self.served.tier_of(name) in quiet[0]:
+            self._quiet = None
 
     def _cancelled_by_broker(self, tag: str) -> None:
         """RabbitMQ cancelled a consumer (its queue was deleted)."""
@@ -247,11 +254,11 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._keep_consumers()
         quiet, asking = self._quiet, tuple(order)
         if quiet is not None and quiet[0] == asking and quiet[1] == self.served.version:
-            # Nothing arrived and no consumer changed since that take found nothing: the same answer, without
-            # looking at every queue again (a worker draining short tasks with a slot kept for realtime asks
-            # realtime once per task this way; the pending window only closes with time, never reopens).
+            # Nothing came and no consumer changed for these tiers since that take found nothing: the same
+            # answer, no look (the realtime slot's ask once per drained task; the pending window never reopens).
+            self._deferred, self._all_pushed = False, True  # as that take left them (another take may not have)
             return Take(empty=quiet[2].empty, empty_queues=self._due_reports(quiet[2].empty_queues, time.monotonic()))
-        self._quiet = None
+        # An answer kept for another ask stands: what this take changes goes through ``_unquiet``.
         now = time.monotonic()
         self._deferred = False
         all_pushed = True  # every queue looked at is pushed: an idle loop waits for the next delivery
@@ -335,8 +342,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         return take
 
     def _split(self, tier: Tier, now: float) -> tuple[set[str], list[str]]:
-        """``tier``'s queues that may have a message (not pushed, or one in hand, parked or on its way), and
-        the rest: pushed with nothing in hand nor coming, so empty."""
+        """``tier``'s queues that may have a message (not pushed, in hand, parked, on its way), and the rest."""
         lane = self.served.promoted.get(tier)
         names = [lane, *self.served.by_tier[tier]] if lane else self.served.by_tier[tier]
         pushed, hand, parked, out = self.pushed, self._hand, self._parked, self._out

@@ -85,6 +85,7 @@ class AmqpFetchSource(BrokerFetchSource):
         # on the loop before they are asked; and this worker's presence in the tiers it serves.
         self.follower = RegistryFollower(settings, on_new=lambda names: self.on_arrival())
         self._absorbed = -1  # ``follower.version`` whose names are served
+        self._presence_for = -1  # ``served.version`` the presence was matched to (not looked at per fetch)
         self._declared: set[str] = set()
         self.presence = Presence(settings, quorum_arguments(settings, {}) or None)
         self.accept = prepare_accept_content(app.conf.accept_content)
@@ -274,8 +275,10 @@ class AmqpFetchSource(BrokerFetchSource):
             names = list(dict.fromkeys([*self.served.discovered, *self.follower.names, *self._listed]))
             if names != self.served.discovered:
                 self.served.set_discovered(names)
-        if self.presence.tiers != set(self.served.tiers):
-            self.presence.keep(self.channel.connection, self.served.tiers)
+        if self._presence_for != self.served.version:
+            if self.presence.tiers != set(self.served.tiers):
+                self.presence.keep(self.channel.connection, self.served.tiers)
+            self._presence_for = self.served.version
 
     def discover_subqueues(self) -> list[str] | None:
         """The registry's sub-queues, and those the management API lists where it answers.

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 import uuid
 from dataclasses import dataclass
@@ -296,6 +297,11 @@ def summarize(
 
 def best_of(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure) -> dict[str, float]:
     """Best rate per setup over interleaved rounds: the machine's noise hits every setup alike."""
+    return {name: max(values) for name, values in interleaved(rounds, setups, measure).items()}
+
+
+def interleaved(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure) -> dict[str, list[float]]:
+    """Every round's rate per setup, the setups interleaved in each round."""
     rates: dict[str, list[float]] = {name: [] for name in setups}
     names = list(setups)
     for round_ in range(rounds):
@@ -303,7 +309,14 @@ def best_of(rounds: int, setups: dict[str, tuple[str, dict[str, Any]]], measure)
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             mode, options = setups[name]
             rates[name].append(measure(mode, **options))
-    return {name: max(values) for name, values in rates.items()}
+    return rates
+
+
+def round_ratios(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Lowest, median and highest of the per-round ratios ``ours / theirs`` (each pair ran in the same round,
+    minutes apart at most: the figure a noisy host moves least)."""
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    return ratios[0], statistics.median(ratios), ratios[-1]
 
 
 def management_api_answers(port: int = 15672) -> bool:
