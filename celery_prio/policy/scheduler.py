@@ -177,7 +177,9 @@ class TierScheduler:
         candidates = [t for t in TIERS if t in self.served and self._may_take_another(t)]
         if headroom and not self._low_tiers_allowed():
             candidates = [t for t in candidates if t is Tier.REALTIME]
-        weights = self._weights(frozenset(busy_now))
+        if len(candidates) < 2:  # nothing to rank (a slot kept for realtime asks realtime alone once per task)
+            return candidates
+        weights = self._weights(busy_now if isinstance(busy_now, frozenset) else frozenset(busy_now))
         overrun = overrun or {}
         candidates.sort(key=lambda t: (self._finish_tag(t, weights) + overrun.get(t, 0.0) / weights[t], t.value))
         return candidates

@@ -330,8 +330,9 @@ class AmqpConsumeSource(AmqpFetchSource):
             found = (tier, name, raw)
         if found is not None:
             self._reported_idle.pop(found[1], None)  # busy again: reported at once when it next finds nothing
-        rank = {tier: i for i, tier in enumerate(order)}
-        looked = sorted(asked + idle, key=lambda tq: rank[tq[0]])  # stable: asking order inside a tier
+        looked = idle  # each list is in asking order already: merged by tier only when both have queues
+        if asked:
+            looked = sorted(asked + idle, key=lambda tq: order.index(tq[0])) if idle else asked
         take = self._take_found(found, looked)
         take.empty = tuple(t for t in take.empty if t not in coming)
         full_report = take.empty_queues
@@ -407,9 +408,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._arm_look(now, self.hold_max)
 
     def _arm_look(self, now: float, delay: float) -> None:
-        """The look at the hand, ``delay`` from ``now``, in place of any armed before: the backstop's round
-        re-arms too, and each armed look re-arms itself while the hand holds anything, so without the cancel
-        every round would add a chain of looks."""
+        """The look at the hand, ``delay`` from ``now``, replacing any armed before: a look re-arms itself while
+        the hand holds anything and the backstop re-arms too, so without the cancel looks would chain."""
         if self._hub is None:
             return
         if self._look_timer is not None:
