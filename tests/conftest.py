@@ -176,21 +176,12 @@ class PrioEnv:
             else:
                 # Found through the broker itself (the registry stream), management API or not; what is
                 # left (slice markers) goes in the session's last sweep (``_sweep_rabbitmq_test_queues``).
-                self.adapter.delete_queues(amqp_app_queues(self.adapter, load_settings(self.app.conf)))
+                self.adapter.delete_queues(self.adapter.app_queues(load_settings(self.app.conf)))
         finally:
             self.adapter.close()
 
 
-def amqp_app_queues(adapter, settings) -> list[str]:
-    """Every RabbitMQ queue of an app that its name tells: sub-queues (registry), presence, fleet, journals."""
-    names = adapter.subqueues(settings)
-    names += [settings.presence_queue(t) for t in TIERS]
-    names += [settings.subqueue_registry, f"{settings.queue_prefix}.fleet", f"{settings.queue_prefix}.boosts"]
-    names += [f"{settings.queue_prefix}.slices"]  # the sliced tasks' journal
-    return names
-
-
-TEST_QUEUE = re.compile(r"^(t|bench)[0-9a-f]{8,10}\.")
+TEST_QUEUE = re.compile(r"^(t|bench)[0-9a-f]{8,10}[.-]")  # "-default", "-celery": the adoption tests' own
 
 
 @pytest.fixture(scope="session", autouse=True)

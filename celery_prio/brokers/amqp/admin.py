@@ -46,6 +46,19 @@ class AmqpAdapter(Broker):
         listed = [name for name, _ in listed_subqueues(self.app, settings) or []]
         return list(dict.fromkeys([*read_registry(self.connection.connection, settings), *listed]))
 
+    def app_queues(self, settings: PrioSettings) -> list[str]:
+        """Every queue of the app besides its tier queues that its names tell, the management API not needed
+        (a teardown's list): sub-queues (the registry's, and each task's shortest-first queue in every tier),
+        presence queues, the registry, the fleet's figures, lease and journals."""
+        tasks = [name for name in self.app.tasks if not name.startswith("celery.")]
+        names = self.subqueues(settings)
+        names += [settings.subqueue_name(t, settings.sjf_subqueue(task)) for t in TIERS for task in tasks]
+        names += [settings.presence_queue(t) for t in TIERS]
+        prefix = settings.queue_prefix
+        names += [settings.subqueue_registry, settings.admission_key, settings.housekeeper_key]
+        names += [f"{prefix}.fleet", f"{prefix}.boosts", f"{prefix}.slices"]
+        return list(dict.fromkeys(names))
+
     def serving(self, settings: PrioSettings) -> dict[Tier, int]:
         return serving_counts(self.connection.connection, settings)
 

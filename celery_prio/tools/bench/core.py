@@ -186,12 +186,10 @@ class Run:
             if self.kind == "redis":
                 for key in adapter.client.scan_iter(f"{self.prefix}.*"):
                     adapter.client.delete(key)
-            else:
-                from ...brokers.amqp.management import management_client
+            else:  # by name: RabbitMQ as stock runs no management API to list them
                 from ...runtime import settings_for
 
-                listing = management_client(self.app, settings_for(self.app)).list_queues(rf"^{self.prefix}\.")
-                adapter.delete_queues([name for name, _ in listing or []])
+                adapter.delete_queues(adapter.app_queues(settings_for(self.app)))
         finally:
             adapter.close()
         self.records.delete(f"{self.prefix}:records")
