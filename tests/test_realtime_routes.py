@@ -20,7 +20,9 @@ import celery_prio
 from celery_prio.tiers import Tier
 
 #: From publish (or boost) to the end of a 0-second task, the first time its route is used after worker start.
-FIRST_BOUND = 0.3
+# The first task of a new route must not wait for a discovery round (5 s) or a full ask (1 s). A bound of
+# 0.3 s was missed once (0.499 s) in the middle of the suite on the 2-core CI machine; reruns passed.
+FIRST_BOUND = 0.6
 PER_ROUTE = 20
 AGING_AFTER = 1.0  # prio_aging[batch] for the aging route: the one knob these tests set, to see aging at all
 
