@@ -17,6 +17,7 @@ import pytest
 
 from celery_prio import settings_for
 from celery_prio.brokers.amqp.consume import AmqpConsumeSource
+from celery_prio.brokers.amqp.idle_reports import IDLE_REPORT_INTERVAL, IdleReports
 from celery_prio.errors import ConfigError
 from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings
@@ -359,6 +360,41 @@ def test_pushes_to_another_tier_leave_an_empty_answer_standing(amqp_env):
         realtime = source.take([R])
         assert realtime.message.payload[0][0] == "r" and R in looked
         realtime.message.ack()
+
+
+def test_a_standing_empty_answer_reports_its_queues_at_the_idle_pace_not_on_every_ask(amqp_env):
+    """The kept answer is not a full look, but the scheduler still hears that realtime's queues stay empty:
+    each at most every ``IDLE_REPORT_INTERVAL``, and again once that has passed (never silenced for good)."""
+    env = amqp_env
+    with push_source(env, free=1) as (source, conn):
+        prio = settings_for(env.app)
+        assert source.take(ORDER).message is None  # consumers started
+        time.sleep(prio.poll_interval * 1.2)  # past the window in which a new consumer's queue counts as pending
+        first = source.take([R])  # a full look: realtime's queues found empty and reported
+        assert first.message is None and first.empty_queues
+        looked: list[Tier] = []
+        real_split = source._split
+        source._split = lambda tier, now: looked.append(tier) or real_split(tier, now)  # type: ignore[method-assign]
+        again = source.take([R])
+        assert again.message is None and again.empty == first.empty and again.empty_queues == ()  # none due yet
+        time.sleep(IDLE_REPORT_INTERVAL * 1.5)
+        due = source.take([R])
+        assert set(due.empty_queues) == set(first.empty_queues)  # each due again, reported again
+        assert source.take([R]).empty_queues == ()
+        assert looked == []  # all from the kept answer: no queue looked at
+
+
+def test_idle_reports_pace_each_pushed_queue_and_slow_down_for_many():
+    reports, pushed = IdleReports(), {"a", "b"}
+    assert reports.due(("a", "b", "got"), pushed, 10.0) == ("a", "b", "got")
+    assert reports.due(("a", "b", "got"), pushed, 10.01) == ("got",)  # asked by basic_get: every time
+    assert reports.next_due(("a", "b"), 10.01) == pytest.approx(10.0 + IDLE_REPORT_INTERVAL)
+    reports.busy("a")  # it had work: reported at once when next found empty
+    assert reports.due(("a", "b"), pushed, 10.02) == ("a",)
+    many = tuple(f"q{i}" for i in range(500))
+    assert reports.due(many, set(many), 20.0) == many
+    assert reports.due(many, set(many), 21.0) == ()  # 500 at once: each every 2 s
+    assert reports.due(many, set(many), 22.0) == many
 
 
 def test_consume_mode_refuses_quorum_queues_and_bad_values():

@@ -110,10 +110,14 @@ class QueueShares:
     def looked_at(self, name: str, now: float) -> None:
         self._state(name).looked_at = now
 
-    def dispatched(self, name: str) -> float:
-        """A message of ``name`` took a slot; returns the charge to pass to :meth:`finished`."""
+    def dispatched(self, name: str, now: float | None = None) -> float:
+        """A message of ``name`` took a slot (looked at ``now``, when given); returns the charge to pass to
+        :meth:`finished`."""
         self._level_cache = None
-        return self._state(name).charge(self._weight(name))
+        state = self._state(name)
+        if now is not None:
+            state.looked_at = now
+        return state.charge(self._weight(name))
 
     def finished(self, name: str, runtime: float, charge: float) -> None:
         self._level_cache = None

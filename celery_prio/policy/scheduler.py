@@ -42,6 +42,10 @@ from ..settings.table import IDLE_SHARE_RULES
 from ..tiers import TIERS, Tier
 from .fairshare import Flow
 
+#: Each tier's rank, for ties (``Tier.value`` is a property call on every read).
+RANK = {t: t.value for t in TIERS}
+#: The tiers the headroom (``prio_reserve``) holds back.
+LOW_TIERS = (Tier.BATCH, Tier.OFFLINE)
 #: Distinct tier states whose effective weights are kept (3 tiers idle or not, times ``busy_now`` sets: a few).
 WEIGHTS_CACHE_MAX = 64
 
@@ -74,6 +78,8 @@ class TierScheduler:
     blocked: dict[Tier, int] = field(init=False, default_factory=dict)
     vclock: float = field(init=False, default=0.0)
     _weights_cache: dict[tuple[object, ...], dict[Tier, float]] = field(init=False, default_factory=dict, repr=False)
+    _states: tuple[TierState, ...] = field(init=False, default=(), repr=False)
+    _running: int = field(init=False, default=0, repr=False)
     #: What a dispatch is charged: its expected run time (``prio_scheduler = "time"``), corrected to the
     #: measured run time when it ends.
     mode: ClassVar[str] = "time"
@@ -85,20 +91,23 @@ class TierScheduler:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
         self.tiers = {t: TierState(weight=float(self.weights[t])) for t in TIERS}
+        self._states = tuple(self.tiers.values())  # the same, in ``TIERS`` order, for the per-task questions
         for tier, seconds in (self.estimates or {}).items():
             self.tiers[tier].estimate, self.tiers[tier].measured = float(seconds), True
 
     # -- questions -------------------------------------------------------
+    # The questions below are asked several times per task a worker runs (each free slot's order, each take's
+    # hold target): written as plain loops over the three tiers, not generators.
     @property
     def running(self) -> int:
-        return sum(s.running for s in self.tiers.values())
+        return self._running  # the tiers' ``running`` summed, kept by ``dispatched`` and ``finished``
 
     def free_slots(self) -> int:
         return max(self.concurrency - self.running, 0)
 
     def _may_take_another(self, tier: Tier) -> bool:
         state = self.tiers[tier]
-        if tier is Tier.REALTIME or Tier.REALTIME not in self.served or state.measured:
+        if tier is Tier.REALTIME or state.measured or Tier.REALTIME not in self.served:
             return True  # the one-slot rule protects realtime arrivals: moot on a worker that serves none
         return state.running <= self.blocked.get(tier, 0)
 
@@ -106,7 +115,11 @@ class TierScheduler:
         # A batch task blocked on its own group (``.get(disable_sync_subtasks=False)``) waits for work that can
         # only run in another slot: counted against the headroom it would deadlock a worker whose one other
         # slot is the reserve (plain Celery runs the children there). Realtime then waits for that child.
-        low = sum(max(self.tiers[t].running - self.blocked.get(t, 0), 0) for t in (Tier.BATCH, Tier.OFFLINE))
+        blocked, low = self.blocked, 0
+        for tier in LOW_TIERS:
+            running = self.tiers[tier].running
+            if running:
+                low += max(running - blocked.get(tier, 0), 0) if blocked else running
         return low < self.concurrency - self.reserve
 
     def effective_weights(self, busy_now: Iterable[Tier] = ()) -> dict[Tier, float]:
@@ -119,7 +132,8 @@ class TierScheduler:
     def _weights(self, busy_now: frozenset[Tier] = frozenset()) -> Mapping[Tier, float]:
         """``effective_weights``, not copied: asked three times per task (order, dispatch, finish) and the same
         until a tier goes idle or busy, so kept per state (the weights themselves are fixed)."""
-        key = (self.served, busy_now, *(s.idle for s in self.tiers.values()))
+        realtime, batch, offline = self._states
+        key = (self.served, busy_now, realtime.idle, batch.idle, offline.idle)
         cached = self._weights_cache.get(key)
         if cached is not None:
             return cached
@@ -146,10 +160,6 @@ class TierScheduler:
     def _cost(self, state: TierState) -> float:
         return state.estimate
 
-    def _finish_tag(self, tier: Tier, weights: Mapping[Tier, float]) -> float:
-        state = self.tiers[tier]
-        return state.finish_tag(weights[tier], self._cost(state))
-
     def order(self) -> list[Tier]:
         """Tiers to try for the next free slot, most deserving first.
 
@@ -174,15 +184,26 @@ class TierScheduler:
         # worker (no warm-up) would otherwise queue behind its first task. A task
         # blocked waiting on other work (``blocked``) does not count: what it
         # waits on may be the next task of its own tier (a boosted dependency).
-        candidates = [t for t in TIERS if t in self.served and self._may_take_another(t)]
         if headroom and not self._low_tiers_allowed():
-            candidates = [t for t in candidates if t is Tier.REALTIME]
+            # Realtime alone, which never waits on the one-slot rule.
+            candidates = [Tier.REALTIME] if Tier.REALTIME in self.served else []
+        else:
+            served, may_take = self.served, self._may_take_another
+            candidates = [t for t in TIERS if t in served and (t is Tier.REALTIME or may_take(t))]
         if len(candidates) < 2:  # nothing to rank (a slot kept for realtime asks realtime alone once per task)
             return candidates
         weights = self._weights(busy_now if isinstance(busy_now, frozenset) else frozenset(busy_now))
-        overrun = overrun or {}
-        candidates.sort(key=lambda t: (self._finish_tag(t, weights) + overrun.get(t, 0.0) / weights[t], t.value))
-        return candidates
+        # Each candidate's finish tag (``Flow.finish_tag`` at ``_cost``) plus its overrun, ties to the higher
+        # tier: written out, as this runs for every free slot.
+        tiers, cost, ranked = self.tiers, self._cost, []
+        for tier in candidates:
+            state, weight = tiers[tier], weights[tier]
+            tag = state.vtime + cost(state) / weight
+            if overrun:
+                tag += overrun.get(tier, 0.0) / weight
+            ranked.append((tag, RANK[tier], tier))
+        ranked.sort()
+        return [tier for _, _, tier in ranked]
 
     def preemptors(self, sliced: Iterable[Tier], overrun: Mapping[Tier, float] | None = None) -> dict[Tier, set[Tier]]:
         """Per running sliced tier, the higher tiers it should give its slot to when they have work.
@@ -232,12 +253,15 @@ class TierScheduler:
         self.vclock = max(self.vclock, state.vtime)
         charge = state.charge(self._weights()[tier], self._cost(state))
         state.running += 1
+        self._running += 1
         return charge
 
     def finished(self, tier: Tier, runtime: float, charge: float) -> None:
         """A task dispatched from ``tier`` left its slot after ``runtime`` seconds."""
         state = self.tiers[tier]
-        state.running = max(state.running - 1, 0)
+        if state.running > 0:
+            state.running -= 1
+            self._running -= 1
         state.finished += 1
         state.settle(runtime, charge, self._weights()[tier], correct=self.corrects_charges)
 

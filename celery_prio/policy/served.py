@@ -100,7 +100,9 @@ class ServedQueues:
             if self.settings.queue_name(tier) in members[tier] and name not in members[tier]:
                 by_tier[tier].append(name)
                 members[tier].add(name)
-        self.by_tier, self._members = by_tier, members
+        self.by_tier = by_tier
+        # Each served queue's tier shares, looked up per task (dispatch, finish, wait): one dict, no parse.
+        self._shares_by_queue = {name: self.shares[t] for t, names in by_tier.items() for name in names}
         for tier in TIERS:
             self.shares[tier].forget(by_tier[tier])
         self.promoted = {
@@ -133,20 +135,18 @@ class ServedQueues:
             ordered = shares.order_shortest_first(names, self.clock(), self.settings.sjf_max_wait)
         else:
             ordered = shares.order(names, lift_idle=keep is not None)
-        out.extend(Candidate(tier, name) for name in ordered)
+        out.extend([Candidate(tier, name) for name in ordered])
         return out
 
     # -- the tier's time among its queues ------------------------------------------------
     def _shares_of(self, queue: str) -> QueueShares | None:
-        tier = self.tier_of(queue)
-        return self.shares[tier] if queue in self._members[tier] else None  # front lanes: not shared
+        return self._shares_by_queue.get(queue)  # front lanes: not shared
 
     def dispatched(self, queue: str) -> float:
         shares = self._shares_of(queue)
         if shares is None:
             return 0.0
-        shares.looked_at(queue, self.clock())
-        return shares.dispatched(queue)
+        return shares.dispatched(queue, self.clock())
 
     def finished(self, queue: str, runtime: float, charge: float) -> None:
         self.runs += 1

@@ -94,9 +94,12 @@ class Intake:
             message.ack()
             return False
         headers = message.headers or {}
-        verdict = self.superseded.verdict(
-            headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER)), time.time()
-        )
+        if not self.superseded:  # no boost known to this worker (nearly always): no copy of anything is stale
+            verdict: str | float = RUN
+        else:
+            verdict = self.superseded.verdict(
+                headers.get("id"), generation_of(headers.get(BOOST_GENERATION_HEADER)), time.time()
+            )
         if verdict == STALE:
             # A RabbitMQ boost published a lifted copy of this task: this is the original, left behind.
             self.superseded.skipped += 1

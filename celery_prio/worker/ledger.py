@@ -9,13 +9,14 @@ passed in.
 from __future__ import annotations
 
 from collections.abc import Container, Hashable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..tiers import Tier
 
 
-@dataclass(frozen=True)
-class Entry:
+# Named tuples, not dataclasses: one of each is made per task a worker runs, and a frozen dataclass's
+# ``__init__`` costs several times a tuple's.
+class Entry(NamedTuple):
     tier: Tier
     started: float
     charge: float  # what the scheduler charged at dispatch (see TierScheduler.dispatched)
@@ -24,8 +25,7 @@ class Entry:
     waited: float | None = None  # seconds it waited from its publish to its fetch (None: unstamped)
 
 
-@dataclass(frozen=True)
-class Settled:
+class Settled(NamedTuple):
     tier: Tier
     runtime: float
     charge: float
@@ -59,12 +59,12 @@ class Ledger:
 
     def settle(self, still_held: Container, now: float) -> list[Settled]:
         """Retire every entry whose key is no longer in ``still_held``; what each ran for."""
-        done = [key for key in self._entries if key not in still_held]
+        entries = self._entries
+        done = [key for key in entries if key not in still_held]
         out = []
         for key in done:
-            entry = self._entries.pop(key)
-            runtime = max(0.0, now - entry.started)
-            out.append(Settled(entry.tier, runtime, entry.charge, entry.queue, entry.queue_charge, key, entry.waited))
+            tier, started, charge, queue, queue_charge, waited = entries.pop(key)
+            out.append(Settled(tier, max(0.0, now - started), charge, queue, queue_charge, key, waited))
         return out
 
     def running(self, tier: Tier) -> int:

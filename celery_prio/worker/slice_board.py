@@ -132,9 +132,13 @@ class SliceBoard:
 
     def yielded_for(self) -> Tier | None:
         """The tier the last pending yield was for (the freed slot goes to it first)."""
+        return self.pending()[1]
+
+    def pending(self) -> tuple[int, Tier | None]:
+        """Yields pending (not yet refilled), and the tier the last was for."""
         with self._lock:
-            _, for_tier = _GLOBAL.unpack_from(self._mem, 0)
-        return Tier(for_tier - 1) if for_tier else None
+            pending, for_tier = _GLOBAL.unpack_from(self._mem, 0)
+        return pending, (Tier(for_tier - 1) if for_tier else None)
 
     def refilled(self) -> None:
         """The main process refilled the slots that yields freed: their waiting work is no longer waiting."""

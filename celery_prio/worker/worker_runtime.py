@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
+from vine import promise
 
 from ..brokers import Job, fetch_source_for
 from ..policy.count_scheduler import scheduler_for
@@ -106,6 +107,8 @@ class WorkerRuntime:
         self.slices = SlicePreemption(self.board, self.scheduler, self.loop, hub, self.source.held_by_tier)
         self.housekeeping = Housekeeping(hub)
         self._settle_scheduled = False
+        # One promise, called once per task: kombu's ``call_soon`` would otherwise wrap the method in a new one.
+        self._settle_soon = promise(self.settle)
         self._serve_known_subqueues()
 
     def _serve_known_subqueues(self) -> None:
@@ -177,16 +180,17 @@ class WorkerRuntime:
         """
         if not self._settle_scheduled:
             self._settle_scheduled = True
-            self.hub.call_soon(self.settle)
+            self.hub.call_soon(self._settle_soon)
 
     def settle(self) -> None:
         self._settle_scheduled = False
         # A sliced task that yielded did so for a waiting tier: the freed slot goes to it.
-        yielded_for = self.board.yielded_for()
+        pending, yielded_for = self.board.pending()
         if yielded_for is not None:
             self.scheduler.hand_off_to(yielded_for)
         self.loop.settle(_Held(worker_state.reserved_requests, self.batcher.running))
-        self.board.refilled()
+        if pending or yielded_for is not None:  # once per task: the board is written only when a yield was pending
+            self.board.refilled()
 
     def _idle(self) -> bool:
         return self.loop.idle_since is not None and not len(self.loop.ledger)

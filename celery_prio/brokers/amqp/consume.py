@@ -58,6 +58,7 @@ from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import Job, Take
 from .fetch import AmqpFetchSource
+from .idle_reports import IdleReports
 from .settles import SettleWatch
 
 if TYPE_CHECKING:
@@ -72,10 +73,6 @@ PUSH_MAX = 1024
 #: A batch or offline queue holds the starts expected within this share of ``prio_hold_max``: the last message
 #: in hand then waits about that long, leaving the rest of ``prio_hold_max`` for the pace to vary.
 HOLD_SHARE = 0.5
-#: A pushed queue that stays empty is reported to the scheduler (looked at, idle) at most this often.
-IDLE_REPORT_INTERVAL = 0.05
-#: Idle pushed queues reported a second at most, per take's report (a tier of many is reported less often).
-IDLE_REPORTS_PER_S = 250
 #: Seconds between looks at the hand when no delivery armed one (a look lost with a restarted loop).
 HAND_BACKSTOP = 1.0
 #: The shortest wait before looking at the hand again (a message due now is past ``prio_hold_max`` then).
@@ -110,10 +107,12 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._all_pushed = False  # the last take looked at pushed queues only
         # The last take found nothing, with every queue pushed and none with a message on its way: until a
         # delivery or a consumer change, the same ask finds nothing again (see ``take``).
-        self._quiet: tuple[tuple[Tier, ...], int, Take] | None = None
+        # (the tiers asked, ``served.version``, the full answer, the answer with no queue due to be reported)
+        self._quiet: tuple[tuple[Tier, ...], int, Take, Take] | None = None
+        self._quiet_due = 0.0  # when one of the kept answer's queues is next due to be reported empty
         self._give_back_at = float("-inf")  # when the look for messages held too long is due (armed until then)
         self._look_timer: Any = None  # that look's timer: one at a time (a re-arm cancels the one before)
-        self._reported_idle: dict[str, float] = {}  # pushed queue -> when it was last reported empty
+        self._idle_reports = IdleReports()  # when each pushed queue was last reported empty
 
     @property
     def held(self) -> int:
@@ -123,9 +122,9 @@ class AmqpConsumeSource(AmqpFetchSource):
     def held_by_tier(self) -> Mapping[Tier, int]:
         return self._held_tier
 
-    def _count_held(self, name: str, delta: int) -> None:
+    def _count_held(self, name: str, delta: int, tier: Tier | None = None) -> None:
         self._held += delta
-        tier = self.served.tier_of(name)
+        tier = self.served.tier_of(name) if tier is None else tier
         self._held_tier[tier] = self._held_tier.get(tier, 0) + delta
 
     # -- consumers ---------------------------------------------------------------
@@ -211,7 +210,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._give_back(name)
         self.pushed.discard(name)
         self._parked.discard(name)
-        self._reported_idle.pop(name, None)
+        self._idle_reports.busy(name)
         del self._out[name], self._hand[name]
 
     def _arrived(self, raw: AmqpMessage) -> None:
@@ -225,9 +224,12 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._hand[name].append((raw, now, tag))
         self._settle_watch.gone(tag)
         self._watch_hand(now)
-        self._unquiet(name)
-        self._count_held(name, 1)
-        self.on_delivery(self.served.tier_of(name))
+        tier = self.served.tier_of(name)
+        quiet = self._quiet
+        if quiet is not None and tier in quiet[0]:  # ``_unquiet``, with the tier known
+            self._quiet = None
+        self._count_held(name, 1, tier)
+        self.on_delivery(tier)
 
     def _unquiet(self, name: str) -> None:
         """``name`` changed (delivery, consumer started or given back): the kept empty answer falls if it asked
@@ -250,14 +252,22 @@ class AmqpConsumeSource(AmqpFetchSource):
     # -- fetching ----------------------------------------------------------------
     def take(self, order: list[Tier]) -> Take:
         """The first message in asking order: a pushed queue's from the hand, any other queue's by ``basic_get``."""
-        self._follow_registry()
-        self._keep_consumers()
+        if self.follower.version != self._absorbed or self._presence_for != self.served.version:
+            self._follow_registry()  # (each asked here, not called: twice per task a busy worker runs)
+        if self.channel is not self._on_channel or self._synced != self.served.version:
+            self._keep_consumers()
         quiet, asking = self._quiet, tuple(order)
         if quiet is not None and quiet[0] == asking and quiet[1] == self.served.version:
             # Nothing came and no consumer changed for these tiers since that take found nothing: the same
             # answer, no look (the realtime slot's ask once per drained task; the pending window never reopens).
             self._deferred, self._all_pushed = False, True  # as that take left them (another take may not have)
-            return Take(empty=quiet[2].empty, empty_queues=self._due_reports(quiet[2].empty_queues, time.monotonic()))
+            now = time.monotonic()
+            if now < self._quiet_due:  # none of its queues is due to be reported empty again yet
+                return quiet[3]
+            kept = quiet[2]
+            due = self._idle_reports.due(kept.empty_queues, self.pushed, now)
+            self._quiet_due = self._idle_reports.next_due(kept.empty_queues, now)
+            return Take(empty=kept.empty, empty_queues=due)
         # An answer kept for another ask stands: what this take changes goes through ``_unquiet``.
         now = time.monotonic()
         self._deferred = False
@@ -271,7 +281,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Pushed queues with nothing in hand, parked or on its way are empty: neither ordered nor looked at
             # again (500 idle tenants are not sorted on every take); the others are ordered as the tier shares.
             active, empty = self._split(tier, now)
-            idle.extend((tier, name) for name in empty)
+            if empty:
+                idle.extend([(tier, name) for name in empty])
             for c in self.served.candidates(tier, active.__contains__) if active else ():
                 name = c.name
                 if name not in active:
@@ -304,7 +315,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             # Nothing lower in hand would take the slot meanwhile: wait for the push instead of asking.
             plan = [(tier, name) for tier, name in plan if name not in pending]
         found, asked = self._first_found(plan, now)
-        for _, name in plan:
+        for _, name in plan if pending else ():
             if name in pending and self._empty_at.get(name) == now:  # asked now and found empty
                 self._settle_watch.found_empty(self._out[name])
         if found is None:
@@ -315,11 +326,12 @@ class AmqpConsumeSource(AmqpFetchSource):
                 held = arrived
         # A pushed queue whose next message may be on its way is not known to be empty: not reported as looked
         # at (shortest-first would otherwise reset its wait, and a long task pushed late would wait for good).
-        asked = [tq for tq in asked if tq[1] not in pending]
+        if pending:
+            asked = [tq for tq in asked if tq[1] not in pending]
         if found is None and held is not None:
             tier, name = held
             raw, _, tag = self._hand[name].popleft()
-            self._count_held(name, -1)
+            self._count_held(name, -1, tier)
             target = self._hold_target(tier) - 1  # this message takes one of those slots
             if self._settles_late(raw) or self._consumers(name) + 1 > max(target, 1):  # + 1: the taken one's
                 self._cancel(tag)  # stuck on this message for long, or more consumers out than slots to fill
@@ -329,17 +341,19 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._top_up(name, target)
             found = (tier, name, raw)
         if found is not None:
-            self._reported_idle.pop(found[1], None)  # busy again: reported at once when it next finds nothing
+            self._idle_reports.busy(found[1])  # busy again: reported at once when it next finds nothing
         looked = idle  # each list is in asking order already: merged by tier only when both have queues
         if asked:
             looked = sorted(asked + idle, key=lambda tq: order.index(tq[0])) if idle else asked
         take = self._take_found(found, looked)
-        take.empty = tuple(t for t in take.empty if t not in coming)
+        if coming:
+            take.empty = tuple(t for t in take.empty if t not in coming)
         full_report = take.empty_queues
-        take.empty_queues = self._due_reports(full_report, now)
+        take.empty_queues = self._idle_reports.due(full_report, self.pushed, now)
         self._all_pushed = all_pushed and held is None
         if found is None and held is None and all_pushed and not plan and not pending and not self._deferred:
-            self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report))
+            self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report), Take(empty=take.empty))
+            self._quiet_due = now  # its next ask reports what is due then, and works out when the next is
         return take
 
     def _split(self, tier: Tier, now: float) -> tuple[set[str], list[str]]:
@@ -347,32 +361,15 @@ class AmqpConsumeSource(AmqpFetchSource):
         lane = self.served.promoted.get(tier)
         names = [lane, *self.served.by_tier[tier]] if lane else self.served.by_tier[tier]
         pushed, hand, parked, out = self.pushed, self._hand, self._parked, self._out
-        horizon = now - self._pending_window
+        on_its_way, window = self._settle_watch.on_its_way, self._pending_window
         active: set[str] = set()
         empty: list[str] = []
         for name in names:
-            armed = name in pushed and any(at > horizon for at in out[name].values())  # within the window
-            if name not in pushed or hand[name] or name in parked or (armed and self._on_its_way(name, now)):
+            if name not in pushed or hand[name] or name in parked or (out[name] and on_its_way(out[name], now, window)):
                 active.add(name)
             else:
                 empty.append(name)
         return active, empty
-
-    def _due_reports(self, queues: tuple[str, ...], now: float) -> tuple[str, ...]:
-        """Of the queues found empty, those to report to the scheduler now: each pushed queue at most every
-        ``IDLE_REPORT_INTERVAL`` while it stays empty, less often where a take finds many (``IDLE_REPORTS_PER_S``;
-        its consumer tells when work comes, and an idle queue ordered again is lifted level then). Queues asked
-        by ``basic_get`` are reported every time, as before."""
-        reported, pushed = self._reported_idle, self.pushed
-        every = max(IDLE_REPORT_INTERVAL, len(queues) / IDLE_REPORTS_PER_S)  # 500 idle tenants: every 2 s
-        due = []
-        for name in queues:
-            if name in pushed:
-                if now - reported.get(name, float("-inf")) < every:
-                    continue
-                reported[name] = now
-            due.append(name)
-        return tuple(due)
 
     def _hold_target(self, tier: Tier) -> int:
         """Messages one of ``tier``'s queues may have in hand or coming.

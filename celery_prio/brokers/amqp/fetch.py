@@ -231,7 +231,7 @@ class AmqpFetchSource(BrokerFetchSource):
         return None, asked
 
     def _take_found(self, found: tuple[Tier, str, AmqpMessage] | None, asked: list[tuple[Tier, str]]) -> Take:
-        empty_queues = tuple(n for _, n in asked)
+        empty_queues = tuple([n for _, n in asked])
         if found is None:
             return Take(empty=_empty_tiers(asked, before=None), empty_queues=empty_queues)
         tier, name, raw = found

@@ -1,0 +1,57 @@
+"""How often a pushed queue found empty is reported to the scheduler (``prio_fetch = "consume"``). Pure.
+
+A pushed queue's consumer tells when work comes, so the scheduler need not
+hear on every take that it is still empty: each is reported at most every
+``IDLE_REPORT_INTERVAL`` while it stays empty, less often where one take
+finds many (``IDLE_REPORTS_PER_S``: 500 idle tenants are reported every
+2 s, not 500 at a time per task). An idle queue ordered again is lifted
+level then (``QueueShares.order``). Queues asked by ``basic_get`` are
+reported every time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+#: A pushed queue that stays empty is reported to the scheduler (looked at, idle) at most this often.
+IDLE_REPORT_INTERVAL = 0.05
+#: Idle pushed queues reported a second at most, per take's report (a tier of many is reported less often).
+IDLE_REPORTS_PER_S = 250
+
+
+def report_interval(queues: tuple[str, ...]) -> float:
+    """How often each of ``queues``, found empty together, is reported."""
+    return max(IDLE_REPORT_INTERVAL, len(queues) / IDLE_REPORTS_PER_S)
+
+
+class IdleReports:
+    """When each pushed queue was last reported empty."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def due(self, queues: tuple[str, ...], pushed: Container[str], now: float) -> tuple[str, ...]:
+        """Of ``queues`` (found empty), those to report now; the pushed ones among them are noted as reported."""
+        if not queues:
+            return queues
+        reported, every = self._at, report_interval(queues)
+        due = []
+        for name in queues:
+            if name in pushed:
+                if now - reported.get(name, float("-inf")) < every:
+                    continue
+                reported[name] = now
+            due.append(name)
+        return tuple(due)
+
+    def next_due(self, queues: tuple[str, ...], now: float) -> float:
+        """When the first of ``queues`` (all pushed, just passed to :meth:`due`) is due again."""
+        reported = self._at
+        return min([reported.get(name, now) for name in queues], default=now) + report_interval(queues)
+
+    def busy(self, name: str) -> None:
+        """``name`` had work (or is no longer pushed): reported at once the next time it is found empty."""
+        self._at.pop(name, None)
+
+
+__all__ = ["IDLE_REPORTS_PER_S", "IDLE_REPORT_INTERVAL", "IdleReports", "report_interval"]
