@@ -366,7 +366,7 @@ def test_a_standing_empty_answer_reports_its_queues_at_the_idle_pace_not_on_ever
     """The kept answer is not a full look, but the scheduler still hears that realtime's queues stay empty:
     each at most every ``IDLE_REPORT_INTERVAL``, and again once that has passed (never silenced for good)."""
     env = amqp_env
-    with push_source(env, free=1) as (source, conn):
+    with push_source(env, free=1) as (source, _conn):
         prio = settings_for(env.app)
         assert source.take(ORDER).message is None  # consumers started
         time.sleep(prio.poll_interval * 1.2)  # past the window in which a new consumer's queue counts as pending

@@ -103,7 +103,7 @@ class TierScheduler:
         return self._running  # the tiers' ``running`` summed, kept by ``dispatched`` and ``finished``
 
     def free_slots(self) -> int:
-        return max(self.concurrency - self.running, 0)
+        return max(self.concurrency - self._running, 0)
 
     def _may_take_another(self, tier: Tier) -> bool:
         state = self.tiers[tier]

@@ -179,7 +179,7 @@ class PrioConsumer(Consumer):
         def on_task_request_tracked(request: Request) -> Any:
             fetcher = self.task_consumer
             if isinstance(fetcher, TierFetcher):
-                fetcher.track(request)
+                fetcher.runtime.track(request)
             return on_task_request(request)
 
         if pool is not None:
@@ -190,7 +190,7 @@ class PrioConsumer(Consumer):
         """A pool job left its slot (any thread): the fetcher settles and refills it."""
         fetcher = self.task_consumer
         if isinstance(fetcher, TierFetcher):
-            fetcher.slot_freed()
+            fetcher.runtime.slot_freed()
 
 
 __all__ = ["PrioConsumer", "PrioTasks", "TierFetcher"]

@@ -109,7 +109,7 @@ class Intake:
         if verdict != RUN:  # a boost of it is under way: its copy may not be on the broker yet; ask again
             self.call_later(float(verdict), lambda: self.deliver(tier, message))
             return False
-        if self._past_deadline(tier, headers):
+        if tier is Tier.REALTIME and self.deadline > 0 and self._past_deadline(tier, headers):
             return True  # Celery's handler marks it expired (state, event, signal) and acks it, unrun
         self._count(tier, headers)
         return True
@@ -140,7 +140,7 @@ class Intake:
         if SLICE_HEADER in headers:  # a sliced task resuming: neither a new arrival nor a new promotion
             self.stats.observe_fetch(tier, None, False, now)
             return
-        promoted = PROMOTED_HEADER in headers or was_promoted_by_broker(headers)
+        promoted = PROMOTED_HEADER in headers or ("x-death" in headers and was_promoted_by_broker(headers))
         wait = enqueue_age(headers, now)
         self.loop.fetching_waited = wait  # its run's end tells whether it was answered within the target
         self.stats.observe_fetch(tier, wait, promoted, now)

@@ -24,7 +24,6 @@ from .report import WorkerReport
 from .worker_runtime import WorkerRuntime
 
 if TYPE_CHECKING:
-    from celery.worker.request import Request
     from kombu.message import Message
 
 
@@ -109,15 +108,7 @@ class TierFetcher:
     def qos(self, prefetch_count: int = 0, **_: object) -> None:
         """Prefetch does not apply: basic_get ignores basic.qos; the scheduler limits fetches."""
 
-    # -- what PrioConsumer calls -------------------------------------------------
-    def track(self, request: Request) -> None:
-        """Called for every request Celery hands to the pool."""
-        self.runtime.track(request)
-
-    def slot_freed(self) -> None:
-        """A pool job ended (any thread)."""
-        self.runtime.slot_freed()
-
+    # -- what PrioConsumer calls (per task, it calls ``runtime.track`` and ``runtime.slot_freed`` itself) ------
     def dead_letter(self, message: Message, reason: str) -> None:
         """Copy ``message`` to ``<prefix>.dead`` with ``reason``; the caller settles the original."""
         self.runtime.intake.dead_letter(message, reason)

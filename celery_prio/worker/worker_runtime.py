@@ -188,7 +188,8 @@ class WorkerRuntime:
         pending, yielded_for = self.board.pending()
         if yielded_for is not None:
             self.scheduler.hand_off_to(yielded_for)
-        self.loop.settle(_Held(worker_state.reserved_requests, self.batcher.running))
+        reserved, batches = worker_state.reserved_requests, self.batcher.running
+        self.loop.settle(_Held(reserved, batches) if batches else reserved)  # (no batch in flight: nearly always)
         if pending or yielded_for is not None:  # once per task: the board is written only when a yield was pending
             self.board.refilled()
 

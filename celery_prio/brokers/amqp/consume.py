@@ -107,7 +107,8 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._all_pushed = False  # the last take looked at pushed queues only
         # The last take found nothing, with every queue pushed and none with a message on its way: until a
         # delivery or a consumer change, the same ask finds nothing again (see ``take``).
-        # (the tiers asked, ``served.version``, the full answer, the answer with no queue due to be reported)
+        # (the tiers asked, ``served.version``, the full answer, the answer while nothing is due to be reported:
+        # its tiers are told empty at the pace of their queues, not once per task a busy worker starts)
         self._quiet: tuple[tuple[Tier, ...], int, Take, Take] | None = None
         self._quiet_due = 0.0  # when one of the kept answer's queues is next due to be reported empty
         self._give_back_at = float("-inf")  # when the look for messages held too long is due (armed until then)
@@ -262,7 +263,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             # answer, no look (the realtime slot's ask once per drained task; the pending window never reopens).
             self._deferred, self._all_pushed = False, True  # as that take left them (another take may not have)
             now = time.monotonic()
-            if now < self._quiet_due:  # none of its queues is due to be reported empty again yet
+            if now < self._quiet_due:  # none of its queues is due to be reported empty again yet, nor its tiers
                 return quiet[3]
             kept = quiet[2]
             due = self._idle_reports.due(kept.empty_queues, self.pushed, now)
@@ -352,7 +353,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         take.empty_queues = self._idle_reports.due(full_report, self.pushed, now)
         self._all_pushed = all_pushed and held is None
         if found is None and held is None and all_pushed and not plan and not pending and not self._deferred:
-            self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report), Take(empty=take.empty))
+            self._quiet = (asking, self.served.version, replace(take, empty_queues=full_report), Take())
             self._quiet_due = now  # its next ask reports what is due then, and works out when the next is
         return take
 
