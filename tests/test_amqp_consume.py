@@ -313,12 +313,9 @@ def test_a_take_orders_only_the_pushed_queues_that_may_have_a_message(amqp_env):
         pump_until(conn, lambda: source.held == 1)
         time.sleep(2 * prio.poll_interval)  # past the window in which a new consumer's queue counts as pending
         ordered: list[int] = []
-        real_candidates = source.served.candidates
-        source.served.candidates = lambda tier, keep=None: (
-            ordered.append(  # type: ignore[method-assign]
-                sum(1 for n in source.served.by_tier[tier] if keep is None or keep(n))
-            )
-            or real_candidates(tier, keep)
+        real_order = source.served.asking_order
+        source.served.asking_order = lambda tier, active: (  # type: ignore[method-assign]
+            ordered.append(len(active)) or real_order(tier, active)
         )
         reports = []
         for i in range(3):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 
 import pytest
 
 from celery_prio.tools.bench.core import Workload, best_of, percentile, round_ratios, run_mixed, summarize
+from celery_prio.tools.bench.scale import process_cpu
 from tests.conftest import need_broker
 
 
@@ -21,6 +25,16 @@ def test_percentile_and_best_of():
     assert round_ratios([3.0, 2.0, 8.0], [2.0, 2.0, 4.0]) == (1.0, 1.5, 2.0)
     with pytest.raises(ValueError):
         round_ratios([1.0], [1.0, 2.0])  # rounds that do not pair up are a bug, not a figure
+
+
+def test_process_cpu_counts_one_process_and_nothing_for_one_gone():
+    before, t0 = process_cpu(os.getpid()), time.process_time()
+    while time.process_time() - t0 < 0.3:  # burn 0.3 s of this process's CPU
+        pass
+    assert process_cpu(os.getpid()) - before >= 0.2
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert process_cpu(gone.pid) == 0.0
 
 
 def test_summarize_counts_unanswered_requests_at_the_cutoff():

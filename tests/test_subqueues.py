@@ -86,3 +86,24 @@ def test_a_queue_found_empty_once_and_not_reported_since_is_lifted_when_ordered(
     for _ in range(500):
         stale.finished("a", 0.1, stale.dispatched("a"))
     assert stale.order(backlog)[:1] == ["b"] and stale.queues["b"].vtime < stale.queues["a"].vtime - 10
+
+
+def test_the_asking_order_of_one_queue_lifts_it_as_ordering_would():
+    """A take with one queue of a tier that may have work does not order it (``ServedQueues.asking_order``):
+    the answer and the effect on the shares are those of ordering it."""
+    from celery_prio.policy.served import ServedQueues
+
+    prio = load_settings({"prio_queue_prefix": "aso"})
+    batch, a, b = prio.queue_name(Tier.BATCH), prio.subqueue_name(Tier.BATCH, "a"), prio.subqueue_name(Tier.BATCH, "b")
+    served = ServedQueues(prio, [batch])
+    served.set_discovered([a, b])
+    shares = served.shares[Tier.BATCH]
+    shares.empty(a)  # found empty once, then not reported while b runs
+    for _ in range(50):
+        shares.finished(b, 0.1, shares.dispatched(b))
+    assert shares.queues[a].idle
+    assert served.asking_order(Tier.BATCH, {a}) == [a]
+    assert not shares.queues[a].idle and shares.queues[a].vtime >= shares.queues[b].vtime - 0.1  # lifted level
+    several = {batch, a, b}  # more than one: ordered as ``candidates`` orders them (its front lane left out)
+    expected = [c.name for c in served.candidates(Tier.BATCH, several.__contains__) if c.name in several]
+    assert served.asking_order(Tier.BATCH, several) == expected and len(expected) == 3

@@ -74,19 +74,20 @@ class QueueShares:
         (found empty, not taken from since) is then lifted to the level and counted busy again: it comes
         back level with the busy queues, with no credit banked while it had nothing to run.
         """
-        level: float | None = None
 
         def finish(name: str) -> tuple[float, str]:
-            nonlocal level
-            state = self._state(name)
-            if lift_idle and state.idle:  # at the level: moves neither the level nor its cache (see ``empty``)
-                if level is None:
-                    level = self._level()
-                state.lift(level)
-                state.idle = False
+            state = self.lift_if_idle(name) if lift_idle else self._state(name)
             return state.finish_tag(self._weight(name)), name
 
         return sorted(names, key=finish)
+
+    def lift_if_idle(self, name: str) -> QueueState:
+        """What :meth:`order` with ``lift_idle`` does to each queue: one still idle comes back level, busy."""
+        state = self._state(name)
+        if state.idle:  # at the level: moves neither the level nor its cache (see ``empty``)
+            state.lift(self._level())
+            state.idle = False
+        return state
 
     def order_shortest_first(self, names: Iterable[str], now: float, max_wait: float) -> list[str]:
         """Shortest expected run first, bounded: a queue not looked at for ``max_wait`` goes first.

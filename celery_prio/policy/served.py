@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..settings import PrioSettings
@@ -137,6 +138,17 @@ class ServedQueues:
             ordered = shares.order(names, lift_idle=keep is not None)
         out.extend([Candidate(tier, name) for name in ordered])
         return out
+
+    def asking_order(self, tier: Tier, active: AbstractSet[str]) -> list[str]:
+        """The names of ``candidates(tier, active.__contains__)`` that ``active`` holds, in that order and with
+        the same effect on the shares. One queue is not ordered: a tier draining one queue asks this once per
+        task, and building and sorting its candidates was most of a take's cost."""
+        if len(active) != 1:
+            return [c.name for c in self.candidates(tier, active.__contains__) if c.name in active]
+        (name,) = active
+        if name != self.promoted.get(tier) and not (tier is Tier.REALTIME and self.settings.sjf):
+            self.shares[tier].lift_if_idle(name)  # what ``order`` does to a queue it is given, when kept
+        return [name]
 
     # -- the tier's time among its queues ------------------------------------------------
     def _shares_of(self, queue: str) -> QueueShares | None:

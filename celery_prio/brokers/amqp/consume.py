@@ -86,6 +86,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         super().__init__(app, channel, served, settings)
         self.hold_max = settings.hold_max
         self._prefetch_multiplier = max(int(app.conf.worker_prefetch_multiplier or 1), 1)
+        self._tasks = app.tasks  # the registry itself (tasks registered later land in it): read per message
         # A consumer that was armed this recently may still be pushed a message (RabbitMQ pushes a queue's
         # next one once Celery acks the last, as the task starts): its queue is not taken to be empty.
         self._pending_window = settings.poll_interval
@@ -191,7 +192,7 @@ class AmqpConsumeSource(AmqpFetchSource):
         headers = raw.properties.get("application_headers") or {}
         if headers.get("eta"):
             return True
-        task = self.app.tasks.get(headers.get("task"))
+        task = self._tasks.get(headers.get("task"))
         if task is None:
             return False  # Celery settles an unknown task at once (dead letters)
         return bool(task.acks_late or (task.rate_limit and not self.app.conf.worker_disable_rate_limits))
@@ -284,10 +285,7 @@ class AmqpConsumeSource(AmqpFetchSource):
             active, empty = self._split(tier, now)
             if empty:
                 idle.extend([(tier, name) for name in empty])
-            for c in self.served.candidates(tier, active.__contains__) if active else ():
-                name = c.name
-                if name not in active:
-                    continue  # the front lane, when empty (``candidates`` keeps it whatever ``keep`` says)
+            for name in self.served.asking_order(tier, active) if active else ():
                 if name not in self.pushed:
                     all_pushed = False
                     if not self._skip(name, now):

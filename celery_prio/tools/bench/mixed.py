@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -25,23 +26,39 @@ from .core import (
     round_ratios,
     run_mixed,
 )
+from .scale import process_cpu
 
 #: Interleaved rounds of the no-op drain (each setup once per round): its best and its per-round ratios.
 DRAIN_ROUNDS = 3
 
 
 def run_drain(
-    mode: str, broker: str, n: int, concurrency: int, logdir: Path, seconds: float = 0.0, **app_options: Any
+    mode: str,
+    broker: str,
+    n: int,
+    concurrency: int,
+    logdir: Path,
+    seconds: float = 0.0,
+    cpu: list[float] | None = None,
+    **app_options: Any,
 ) -> float:
-    """Tasks per second a worker drains from a pre-filled queue of tasks of ``seconds`` each (no-op by default)."""
+    """Tasks per second a worker drains from a pre-filled queue of tasks of ``seconds`` each (no-op by default).
+
+    ``cpu``: appended the worker's main process CPU per task (ms) over the drain from its 10th task on: what a
+    no-op drain is bound by (the pool children run nothing), and steadier than the rate on a small host."""
     run = Run(mode, broker, logdir, concurrency, **app_options)
     try:
         for _ in range(n):
             run.publish("batch", seconds)
         run.start_worker()
-        deadline = time.time() + 120
-        while run.records.llen(f"{run.prefix}:records") < n and time.time() < deadline:
+        key, deadline, pid = f"{run.prefix}:records", time.time() + 120, run.worker.pid if run.worker else 0
+        cpu_from: tuple[float, int] | None = None
+        while (done := run.records.llen(key)) < n and time.time() < deadline:
+            if cpu_from is None and done >= 10:
+                cpu_from = (process_cpu(pid), done)
             time.sleep(0.05)
+        if cpu is not None and cpu_from is not None and done > cpu_from[1]:
+            cpu.append(1000 * (process_cpu(pid) - cpu_from[0]) / (done - cpu_from[1]))
         records = run.read()
     finally:
         run.close()
@@ -119,9 +136,10 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
     On RabbitMQ both fetch modes are measured: ``get`` (the default, nothing held) and ``consume`` (pushed).
     """
     both_fetch_modes = broker_kind(broker) == "amqp"
+    main_cpu: dict[str, list[float]] = {"fifo": [], "prio": []}  # the worker's main process, ms per task
     drain_setups: dict[str, tuple[str, dict[str, Any]]] = {
-        "fifo": ("fifo", {}),
-        "prio": ("prio", {}),
+        "fifo": ("fifo", {"cpu": main_cpu["fifo"]}),
+        "prio": ("prio", {"cpu": main_cpu["prio"]}),
         "prio_metrics": ("prio", {"metrics_port": free_port()}),
     }
     if both_fetch_modes:
@@ -140,6 +158,14 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
     # The best of each is what each can do; a no-op drain on a small host swings by a third from run to run
     # (plain Celery more than ours), so the rounds' own ratios are shown too.
     out(f"  ratio within each of {DRAIN_ROUNDS} rounds: median {median:.2f}, range {low:.2f}-{high:.2f}")
+    cpu_ratio = None
+    if main_cpu["fifo"] and main_cpu["prio"]:
+        fifo_cpu, prio_cpu = statistics.median(main_cpu["fifo"]), statistics.median(main_cpu["prio"])
+        cpu_ratio = prio_cpu / fifo_cpu
+        out(
+            f"  worker main process CPU per task (median of the rounds): default Celery {fifo_cpu:.3f} ms, "
+            f"celery-prio {prio_cpu:.3f} ms, ratio {cpu_ratio:.2f} (a no-op drain is bound by it)"
+        )
     if both_fetch_modes:
         out(f"  prio_fetch='consume': {drain['prio_consume']:.0f}/s, ratio {drain['prio_consume'] / drain['fifo']:.2f}")
     out(
@@ -162,6 +188,8 @@ def bench_drain(broker: str, w: Workload, drain_n: int, logdir: Path, out=print)
     results = {
         "drain_per_s": drain,
         "drain_ratio": drain_ratio,
+        "drain_main_cpu_ms": {name: statistics.median(v) for name, v in main_cpu.items() if v},
+        "drain_main_cpu_ratio": cpu_ratio,
         "drain_5ms_per_s": short,
         "drain_5ms_ratio": short_ratio,
     }

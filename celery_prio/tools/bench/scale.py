@@ -37,6 +37,12 @@ def _stat(pid: str) -> list[str] | None:
     return raw[raw.rindex(")") + 2 :].split()  # fields after the command name (which may hold spaces)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of the process ``pid`` alone (0 once it is gone)."""
+    fields = _stat(str(pid))
+    return (int(fields[11]) + int(fields[12])) / _TICK if fields else 0.0
+
+
 def group_cpu(groups: set[int]) -> float:
     """CPU seconds (user + system) of every live process in the process groups ``groups``."""
     total = 0
