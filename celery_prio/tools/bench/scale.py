@@ -19,10 +19,14 @@ from typing import Any
 
 import redis
 
+from ...brokers.redis.housekeeping import SLOTS_SETTLE
 from .core import DEFAULTS_RT_RATE, Run, Workload, broker_kind, percentile, run_mixed
 
 #: Seconds the fleet settles after its last worker is ready, before the idle window starts.
 SETTLE = 3.0
+#: Seconds after the fleet is ready before an idle window starts: a Redis housekeeper paces itself faster for
+#: ``SLOTS_SETTLE`` after the fleet's slots change (a cold fleet is one), so the window shows the steady state.
+IDLE_STEADY_AFTER = SLOTS_SETTLE + 1.0
 #: Lone realtime tasks published one at a time, and the pause between them (each finds the fleet idle).
 PICKUPS = 20
 PICKUP_GAP = 0.3
@@ -105,6 +109,7 @@ def run_idle(mode: str, broker: str, workers: int, window: float, logdir: Path) 
     """``workers`` idle workers for ``window`` seconds: broker CPU, Redis commands/s, workers' CPU; then pickups."""
     run, meter = _fleet(mode, broker, workers, logdir), BrokerMeter(broker)
     try:
+        time.sleep(max(IDLE_STEADY_AFTER - SETTLE, 0.0))  # (both setups alike: plain Celery has no housekeeper)
         groups = {w.pid for w in run.workers}
         cpu0, (broker0, commands0), t0 = group_cpu(groups), meter.read(), time.monotonic()
         time.sleep(window)
