@@ -120,9 +120,9 @@ class Intake:
         a call whose ``expires=`` passed: ``REVOKED`` in the result backend (``.get()`` raises
         ``TaskRevokedError`` at once), the ``task-revoked`` event and signal (``expired=True``), acked unrun.
         A call with its own ``expires`` or an ETA, and work lifted into realtime (aged, boosted, a slice's
-        continuation), keep their own terms."""
-        deadline = self.deadline if tier is Tier.REALTIME else 0.0
-        if deadline <= 0 or headers.get("expires") is not None or headers.get("eta") is not None:
+        continuation), keep their own terms. Asked of realtime calls only, where a deadline is set (``admit``)."""
+        deadline = self.deadline
+        if headers.get("expires") is not None or headers.get("eta") is not None:
             return False
         if any(h in headers for h in LIFTED_HEADERS) or was_promoted_by_broker(headers):
             return False

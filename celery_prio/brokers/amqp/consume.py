@@ -227,17 +227,16 @@ class AmqpConsumeSource(AmqpFetchSource):
         self._settle_watch.gone(tag)
         self._watch_hand(now)
         tier = self.served.tier_of(name)
-        quiet = self._quiet
-        if quiet is not None and tier in quiet[0]:  # ``_unquiet``, with the tier known
-            self._quiet = None
+        self._unquiet(name, tier)
         self._count_held(name, 1, tier)
         self.on_delivery(tier)
 
-    def _unquiet(self, name: str) -> None:
-        """``name`` changed (delivery, consumer started or given back): the kept empty answer falls if it asked
-        ``name``'s tier, only then (a batch drain's pushes leave the realtime slot's answer standing)."""
+    def _unquiet(self, name: str, tier: Tier | None = None) -> None:
+        """``name`` (of ``tier``, when the caller knows it) changed (delivery, consumer started or given back):
+        the kept empty answer falls if it asked ``name``'s tier, only then (a batch drain's pushes leave the
+        realtime slot's answer standing)."""
         quiet = self._quiet
-        if quiet is not None and self.served.tier_of(name) in quiet[0]:
+        if quiet is not None and (self.served.tier_of(name) if tier is None else tier) in quiet[0]:
             self._quiet = None
 
     def _cancelled_by_broker(self, tag: str) -> None:

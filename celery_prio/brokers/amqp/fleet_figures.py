@@ -153,10 +153,10 @@ class FleetFigures:
     def ran(self, queue: str) -> None:
         """A run of ``queue`` ended: a look soon if it is the first the fleet would hear of (a cold start)."""
         sent = self._sent
-        if (sent is None or queue not in sent.estimates) and self.settings.max_wait[
-            self.served.tier_of(queue)
-        ] is not None:
-            self.nudge()  # its tier has a wait budget
+        if sent is not None and queue in sent.estimates:
+            return
+        if self.settings.max_wait[self.served.tier_of(queue)] is not None:  # its tier has a wait budget
+            self.nudge()
 
     def own_report(self) -> FleetRecord:
         """This worker's slots per tier (its concurrency split by the weights of the tiers it serves) and

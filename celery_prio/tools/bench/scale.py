@@ -41,10 +41,14 @@ def _stat(pid: str) -> list[str] | None:
     return raw[raw.rindex(")") + 2 :].split()  # fields after the command name (which may hold spaces)
 
 
+def _cpu_ticks(fields: list[str]) -> int:
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system) of the process ``pid`` alone (0 once it is gone)."""
     fields = _stat(str(pid))
-    return (int(fields[11]) + int(fields[12])) / _TICK if fields else 0.0
+    return _cpu_ticks(fields) / _TICK if fields else 0.0
 
 
 def group_cpu(groups: set[int]) -> float:
@@ -53,7 +57,7 @@ def group_cpu(groups: set[int]) -> float:
     for pid in os.listdir("/proc"):
         fields = _stat(pid) if pid.isdigit() else None
         if fields and int(fields[2]) in groups:  # fields[2]: the process group
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            total += _cpu_ticks(fields)
     return total / _TICK
 
 
