@@ -136,6 +136,7 @@ class _SliceRun:
         slice_length = settings.slice[tier]
         if slice_length is None:
             return None
+        continuations.ready()
         return cls(task, {resume: None, **carry}, tier, slice_length, generation, enqueued_at)
 
     def should_yield(self) -> bool:

@@ -95,6 +95,8 @@ def test_realtime_latency_bounded_by_a_slice(env):
     long.get(timeout=30)
     # Unsliced, a realtime task arriving during the 2 s run would wait up to 2 s.
     assert max(waits) < 0.6, waits
+    # The first of them did not wait for the pool process to connect for its checks: the run had, as it began.
+    assert next(e["tag"] for e in env.log() if e["kind"] == "readied") == "long:1"
 
 
 def test_crash_between_publish_and_ack_completes_once(env):

@@ -19,6 +19,7 @@ import redis
 from celery import Celery, signals
 
 import celery_prio
+from celery_prio.runtime import publisher_of
 
 #: Set in a worker's environment: a pool child that publishes a sliced task's continuation kills its worker and
 #: itself right after, before the ack (the crash window the slices' exactly-once must survive).
@@ -27,8 +28,6 @@ CRASH_AFTER_SLICE_PUBLISH = "PRIO_TEST_CRASH_AFTER_SLICE_PUBLISH"
 
 def _crash_after_slice_publish(app: Celery) -> None:
     import signal
-
-    from celery_prio.runtime import publisher_of
 
     continuations = publisher_of(app).continuations
     publish = continuations.publish
@@ -138,6 +137,8 @@ def make_app(
         """n elements of ``seconds`` each; returns [i*i for i in range(n)] however often it yields."""
         done = [] if done is None else done
         for i in celery_prio.slices(task, range(start, n), resume="start", carry={"done": done}):
+            if i == start:  # this pool process connected for its slice checks as the run began
+                record("readied", f"{tag}:{int(publisher_of(app).continuations.readied)}")
             record("el", f"{tag}:{i}")
             time.sleep(seconds)
             done.append(i * i)

@@ -9,6 +9,8 @@ kind. Reached at run time through the app's runtime (``celery_prio.runtime.publi
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 import weakref
@@ -25,6 +27,8 @@ from ..errors import QueueFull
 from ..settings import PrioSettings
 from ..tiers import TIERS, Tier
 from .base import Boost
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,25 @@ class Continuations(Bound, ABC):
     @abstractmethod
     def waiting(self, tier: Tier) -> int:
         """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child."""
+
+    _ready_in = 0  # the process whose connection and sub-queue list ``ready`` set up
+
+    def ready(self) -> None:
+        """Connect and list the sub-queues now, once per process: a sliced run's first check whether a higher
+        tier waits is what a realtime call arriving mid-run waits on, and cold it costs a connection and, on
+        RabbitMQ, a read of the registry stream (70 ms here). Asked as a sliced run starts, on its own time."""
+        if self._ready_in == os.getpid():
+            return
+        self._ready_in = os.getpid()
+        try:
+            self.waiting(Tier.REALTIME)
+        except Exception:  # the check itself tries again, and runs on while the broker is away
+            logger.debug("celery-prio: could not ready this process's slice checks", exc_info=True)
+
+    @property
+    def readied(self) -> bool:
+        """Whether this process has readied its slice checks (``ready``)."""
+        return self._ready_in == os.getpid()
 
 
 class Booster(Bound, ABC):
