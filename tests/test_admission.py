@@ -90,10 +90,13 @@ def test_a_surge_is_refused_by_its_predicted_wait_and_what_is_accepted_runs_with
     env.start_worker(concurrency=2)
     _warm(env, 0.1)
     sent: dict[str, float] = {}
+    began = time.monotonic()
     accepted, refused = _surge(env, 60, 0.1, sent)
-    # 2 slots, 0.1 s a call, 0.3 s budget: a handful waiting at a time, the rest refused at once.
+    lasted = time.monotonic() - began
+    # 2 slots, 0.1 s a call, 0.3 s budget: a handful waiting at a time, the rest refused at once. The slots
+    # serve 20 calls a second while the surge lasts (0.1 s here, 0.8 s on a slow machine): those are admitted too.
     assert refused, "nothing was refused"
-    assert len(accepted) <= 20, len(accepted)
+    assert len(accepted) <= 10 + 30 * lasted, (len(accepted), lasted)
     full = refused[0]
     assert (full.reason, full.status_code, full.tier, full.budget) == ("wait", 429, R, 0.3)
     assert full.predicted_wait > 0.3 and full.retry_after > 0
