@@ -285,6 +285,12 @@ def test_gpu_pinning_round_robin(monkeypatch):
     assert parse_gpus([0, 1]) == ["0", "1"] and parse_gpus(None) == []
 
 
+#: A request a warm process serves took 15-75 ms here (two cores, busy or not) and 391 ms once on a loaded CI
+#: host; a cold one pays importing torch (0.9-1.0 s here) and loading the model before it runs: this bound
+#: tells the two apart with room on either side.
+WARM_REQUEST_MS = 600
+
+
 def _first_request_ms(env: TasksEnv) -> float:
     import time
 
@@ -307,7 +313,7 @@ def test_first_realtime_request_after_start_is_warm(tasks_env):
     worker = tasks_env.start_worker()
     assert "model warm in every pool process" in worker.log()  # before "ready."
     assert worker.log().index("model warm in every pool process") < worker.log().index("ready.")
-    assert _first_request_ms(tasks_env) < 200
+    assert _first_request_ms(tasks_env) < WARM_REQUEST_MS
     stats = next(iter(tasks_env.app.control.inspect(timeout=5).stats().values()))
     devices = stats["devices"]
     assert len(devices) == 2
@@ -320,13 +326,13 @@ def test_a_recycled_child_is_warm_before_it_takes_a_task(tasks_env):
 
     _warm_client(tasks_env)
     worker = tasks_env.start_worker(concurrency=1, extra_args=["--max-tasks-per-child", "1"])
-    assert _first_request_ms(tasks_env) < 200
+    assert _first_request_ms(tasks_env) < WARM_REQUEST_MS
     for n in range(2, 4):  # each request runs in a child forked after the previous one
         deadline = time.monotonic() + 60
         while worker.log().count(" warm on ") < n:
             assert time.monotonic() < deadline, worker.log()[-3000:]
             time.sleep(0.05)
-        assert _first_request_ms(tasks_env) < 200
+        assert _first_request_ms(tasks_env) < WARM_REQUEST_MS
 
 
 @pytest.mark.slow
