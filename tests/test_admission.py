@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -125,6 +126,27 @@ def test_a_surge_is_refused_by_its_predicted_wait_and_what_is_accepted_runs_with
     assert row["answered"] >= len(accepted) and 0 < row["on_time"] <= row["answered"], row
     if env.kind == "redis":
         assert env.adapter.counters(env_settings(env)).get("rejected:realtime", 0) == 0  # the budget came first
+
+
+def test_a_steady_redis_fleet_keeps_its_slot_sums_written_at_its_slower_pace(redis_env):
+    """Once the fleet is steady the housekeeper sums the slots every ADMISSION_INTERVAL and writes them again
+    though unchanged: they never expire under the publishers (they would admit by the cap alone)."""
+    from celery_prio.brokers.redis.housekeeping import ADMISSION_INTERVAL, ADMISSION_TTL_MS, SLOTS_SETTLE
+
+    env = redis_env
+    env.configure(max_wait={"realtime": 0.3})
+    env.start_worker(concurrency=2)
+    key, client = f"{env.prefix}.admission", env.adapter.client
+    env.wait_for(lambda: client.exists(key), what="the first slot sums")
+    time.sleep(SLOTS_SETTLE + 0.5)  # past the pace of a fleet whose sums just moved
+    ttls, end = [], time.monotonic() + 3 * ADMISSION_INTERVAL
+    while time.monotonic() < end:
+        ttls.append(client.pttl(key))
+        time.sleep(0.05)
+    # Present throughout, and written again about every ADMISSION_INTERVAL (its TTL back near the full one).
+    assert min(ttls) > ADMISSION_TTL_MS - 1000 * ADMISSION_INTERVAL - 500, min(ttls)
+    rewrites = sum(1 for a, b in itertools.pairwise(ttls) if b > a + 100)
+    assert 2 <= rewrites <= 4, (rewrites, ttls)
 
 
 def test_the_estimate_follows_a_change_of_run_time(stock_env):

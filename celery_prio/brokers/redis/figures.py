@@ -5,7 +5,7 @@ own (a worker its fetch channel's, an operator tool its own connection)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...policy.admission import slot_share
 from ...settings import PrioSettings
@@ -22,14 +22,16 @@ PRESENCE_FRESH = 5.0
 
 def serving(client: Redis, settings: PrioSettings) -> dict[Tier, int]:
     """Live workers per tier: a fresh heartbeat, and the tiers it last said it serves."""
-    return {tier: int(count) for tier, count in _per_live_worker(client, settings, lambda *_: 1).items()}
+    workers = _live_workers(client, settings)
+    return {tier: int(count) for tier, count in _per_live_worker(workers, lambda *_: 1).items()}
 
 
 def slots_serving(client: Redis, settings: PrioSettings) -> dict[Tier, float]:
     """The slots of the live workers serving each tier, each worker's split between the tiers it serves by
     their weights (``prio_weights``): what a tier gets of them while every tier has work. A realtime-only
     worker gives realtime all its slots; one serving every tier gives it 8/11 of them by default."""
-    slots = client.hgetall(settings.slots_key)
+    workers = _live_workers(client, settings, settings.slots_key)
+    slots = workers.extra
 
     def share(worker: bytes, tier: Tier, served: list[Tier]) -> float:
         try:
@@ -38,19 +40,34 @@ def slots_serving(client: Redis, settings: PrioSettings) -> dict[Tier, float]:
             concurrency = 1
         return slot_share(concurrency, tier, served, settings.weights)
 
-    return _per_live_worker(client, settings, share)
+    return _per_live_worker(workers, share)
 
 
-def _per_live_worker(
-    client: Redis, settings: PrioSettings, weight: Callable[[bytes, Tier, list[Tier]], float]
-) -> dict[Tier, float]:
-    now = client.time()
-    now = now[0] + now[1] / 1e6
-    beats = client.hgetall(settings.heartbeats_key)
+class _Workers(NamedTuple):
+    now: float  # the Redis server's clock (the heartbeats are stamped with it)
+    beats: dict[bytes, bytes]
+    serving: dict[bytes, bytes]
+    extra: dict[bytes, bytes]  # a per-worker hash read in the same round trip (or empty)
+
+
+def _live_workers(client: Redis, settings: PrioSettings, extra: str | None = None) -> _Workers:
+    """The clock, the heartbeats, the tiers each worker serves (and ``extra``), in one round trip: the fleet's
+    housekeeper reads them every second."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    pipe.hgetall(settings.heartbeats_key)
+    pipe.hgetall(settings.serving_key)
+    if extra is not None:
+        pipe.hgetall(extra)
+    now, beats, serving, *rest = pipe.execute()
+    return _Workers(now[0] + now[1] / 1e6, beats, serving, rest[0] if rest else {})
+
+
+def _per_live_worker(workers: _Workers, weight: Callable[[bytes, Tier, list[Tier]], float]) -> dict[Tier, float]:
     out = dict.fromkeys(TIERS, 0.0)
-    for worker, tiers in client.hgetall(settings.serving_key).items():
+    for worker, tiers in workers.serving.items():
         try:
-            alive = now - float(beats.get(worker, b"0")) <= PRESENCE_FRESH
+            alive = workers.now - float(workers.beats.get(worker, b"0")) <= PRESENCE_FRESH
         except ValueError:  # anyone can write to Redis: an unreadable beat is no live worker
             alive = False
         labels = as_text(tiers).split(",") if alive else []
