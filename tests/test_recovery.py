@@ -108,6 +108,30 @@ def test_a_sweep_reads_the_owners_in_bounded_chunks_and_finds_a_dead_owner_anywh
         client.hdel(settings.heartbeats_key, live)
 
 
+def test_an_idle_fleets_sweep_takes_no_lock_and_moves_no_cursor(redis_env):
+    """Nothing in flight (no owners hash): the sweep ends at its first command, every second, and when a message
+    is in flight again (a worker died holding it) it sweeps as before."""
+    from celery_prio.brokers.redis.housekeeping import sweep_keys
+
+    env = redis_env
+    env.configure(redeliver_after={"realtime": 2, "batch": 2, "offline": 2})
+    settings = load_settings(env.app.conf)
+    client = env.adapter.client
+    lock, cursor = sweep_keys(settings)
+    env.start_worker(concurrency=1)
+    assert env.app.tasks["t.sleep"].delay("warm", 0).get(timeout=15) == "warm"  # the fleet's jobs under way
+    env.wait_for(lambda: not client.exists(settings.owners_key), what="nothing in flight")
+    client.delete(lock, cursor)
+    seen, end = 0, time.monotonic() + 2.5  # two sweeps at least; the lock lives 0.9 s of each second it is taken
+    while time.monotonic() < end:
+        seen += client.exists(lock, cursor)
+        time.sleep(0.05)
+    assert seen == 0, "the idle fleet's sweep took its lock or moved its cursor"
+    client.hset(settings.owners_key, "gone-tag", "w-dead@host|batch|1.0")
+    env.wait_for(lambda: not client.hexists(settings.owners_key, "gone-tag"), timeout=10, what="the sweep")
+    assert client.exists(cursor)
+
+
 def test_the_sweep_touches_only_this_apps_messages(redis_env):
     env = redis_env
     env.configure(redeliver_after={"realtime": 2, "batch": 2, "offline": 2})
