@@ -84,7 +84,7 @@ class Continuations(Bound, ABC):
         """Connect and list the sub-queues now, once per process: a sliced run's first check whether a higher
         tier waits is what a realtime call arriving mid-run waits on, and cold it costs a connection and, on
         RabbitMQ, a read of the registry stream (70 ms here). Asked as a sliced run starts, on its own time."""
-        if self._ready_in == os.getpid():
+        if self.readied:
             return
         self._ready_in = os.getpid()
         try:

@@ -22,7 +22,7 @@ PRESENCE_FRESH = 5.0
 
 def serving(client: Redis, settings: PrioSettings) -> dict[Tier, int]:
     """Live workers per tier: a fresh heartbeat, and the tiers it last said it serves."""
-    workers = _live_workers(client, settings)
+    workers = _live_workers(client, settings, with_slots=False)
     return {tier: int(count) for tier, count in _per_live_worker(workers, lambda *_: 1).items()}
 
 
@@ -30,8 +30,8 @@ def slots_serving(client: Redis, settings: PrioSettings) -> dict[Tier, float]:
     """The slots of the live workers serving each tier, each worker's split between the tiers it serves by
     their weights (``prio_weights``): what a tier gets of them while every tier has work. A realtime-only
     worker gives realtime all its slots; one serving every tier gives it 8/11 of them by default."""
-    workers = _live_workers(client, settings, settings.slots_key)
-    slots = workers.extra
+    workers = _live_workers(client, settings, with_slots=True)
+    slots = workers.slots
 
     def share(worker: bytes, tier: Tier, served: list[Tier]) -> float:
         try:
@@ -47,18 +47,18 @@ class _Workers(NamedTuple):
     now: float  # the Redis server's clock (the heartbeats are stamped with it)
     beats: dict[bytes, bytes]
     serving: dict[bytes, bytes]
-    extra: dict[bytes, bytes]  # a per-worker hash read in the same round trip (or empty)
+    slots: dict[bytes, bytes]  # each worker's concurrency (empty unless asked ``with_slots``)
 
 
-def _live_workers(client: Redis, settings: PrioSettings, extra: str | None = None) -> _Workers:
-    """The clock, the heartbeats, the tiers each worker serves (and ``extra``), in one round trip: the fleet's
+def _live_workers(client: Redis, settings: PrioSettings, with_slots: bool) -> _Workers:
+    """The clock, the heartbeats, the tiers each worker serves (and its slots), in one round trip: the fleet's
     housekeeper reads them every second."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
     pipe.hgetall(settings.heartbeats_key)
     pipe.hgetall(settings.serving_key)
-    if extra is not None:
-        pipe.hgetall(extra)
+    if with_slots:
+        pipe.hgetall(settings.slots_key)
     now, beats, serving, *rest = pipe.execute()
     return _Workers(now[0] + now[1] / 1e6, beats, serving, rest[0] if rest else {})
 
