@@ -291,3 +291,37 @@ def test_the_doorbells_net_sees_lists_with_work_by_the_index_and_uncovered_lists
     assert waiting()
     client.delete(s.queue_name(Tier.OFFLINE))
     conn.release()
+
+
+def test_a_batch_fetch_leaves_what_it_does_not_take_where_it_was(redis_env):
+    """The fetch script pops before it looks (one command a task, not a look and a pop): a batch that stops at
+    another task's call, or at a malformed element after the calls it took, pushes that element back to the
+    same end. Nothing is lost and the list's order is what it was; the malformed one goes aside at the next
+    fetch, alone."""
+    from tests.test_untrusted import ids_in
+
+    env = redis_env
+    s = settings_for(env.app)
+    client = adapter_client(env)
+    conn, source = _source(env, "fetcher-e")
+    queue = s.queue_name(Tier.BATCH)
+    for task_id, task in (("a1", "t.noop"), ("a2", "t.noop"), ("b1", "t.other"), ("a3", "t.noop")):
+        client.lpush(queue, message(task_id=task_id, task=task))
+    client.sadd(s.ready_key, queue)
+    taken = source.take_more(queue, Tier.BATCH, 10, "t.noop")
+    assert [m.headers["id"] for m in taken] == ["a1", "a2"]  # stopped at another task's call
+    assert ids_in(client, queue) == ["b1", "a3"]  # b1 back where it was, still the oldest
+    client.delete(queue)
+    client.lpush(queue, message(task_id="a4"))
+    client.lpush(queue, b"not json")
+    client.lpush(queue, message(task_id="a5"))
+    taken += source.take_more(queue, Tier.BATCH, 10, "t.noop")
+    assert [m.headers["id"] for m in taken[2:]] == ["a4"]  # the batch so far goes first
+    assert client.llen(queue) == 2 and client.lindex(queue, -1) == b"not json"
+    assert client.llen(s.dead_letter_queue) == 0
+    taken += source.take_more(queue, Tier.BATCH, 10, "t.noop")  # moves the malformed element aside, then a5
+    assert [m.headers["id"] for m in taken[3:]] == ["a5"] and client.llen(queue) == 0
+    assert client.llen(s.dead_letter_queue) == 1
+    for m in taken:
+        m.ack()
+    conn.release()

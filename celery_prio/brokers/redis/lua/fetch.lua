@@ -40,10 +40,15 @@
 
 local n = #ARGV - 6
 local count, task, worker, mask = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local version = redis.call('GET', KEYS[n + 6]) or ''
 local ready_key = KEYS[n + 7]
--- '0' before any list ever joined: a copy read then is checked like any other ('' would mean unchecked)
-local ready_version = ready_key ~= '' and (redis.call('GET', ready_key .. '.version') or '0') or ''
+local version, ready_version
+if ready_key ~= '' then  -- both versions in one command: a fetch is the busiest call there is
+  local both = redis.call('MGET', KEYS[n + 6], ready_key .. '.version')
+  -- '0' before any list ever joined: a copy read then is checked like any other ('' would mean unchecked)
+  version, ready_version = both[1] or '', both[2] or '0'
+else
+  version, ready_version = redis.call('GET', KEYS[n + 6]) or '', ''
+end
 if ARGV[6] ~= '' and ARGV[6] ~= ready_version then
   return {-2, version, ready_version, redis.call('SMEMBERS', ready_key)}  -- the copy, new, in the same reply
 end
@@ -72,7 +77,9 @@ for i = 1, n do
   local taken, taken_bytes = {i, version, ready_version}, 0
   if indexed[i] ~= false then  -- false: no work in it, by the index
     while #taken < 3 + 2 * count do
-      local raw = redis.call('LINDEX', KEYS[i], -1)
+      -- Popped first, one command where a look and a pop were two; a message this call does not take is
+      -- pushed back to the same end, so the list is as it was (atomic: nothing runs between the two).
+      local raw = redis.call('RPOP', KEYS[i])
       if not raw then break end
       local ok, msg = pcall(cjson.decode, raw)
       local reason = nil
@@ -88,18 +95,21 @@ for i = 1, n do
         reason = 'malformed: headers are not an object'
       end
       if reason then
-        if #taken > 3 then break end  -- the batch so far goes first; the next fetch moves this aside
+        if #taken > 3 then  -- the batch so far goes first; the next fetch moves this aside
+          redis.call('RPUSH', KEYS[i], raw)
+          break
+        end
         redis.call('LPUSH', KEYS[n + 3], dead_entry(raw, reason, label, ARGV[1], KEYS[i]))
-        redis.call('RPOP', KEYS[i])
         redis.call('HINCRBY', KEYS[n + 4], 'dead_lettered:' .. label, 1)
         dead = dead + 1
         dead_bytes = dead_bytes + #raw
         if dead >= ${FETCH_DEAD_BUDGET} or dead_bytes >= ${SCRIPT_BYTES} then return {0, version, ready_version, dead} end
       else
-        if task ~= '' and #taken > 3 and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task) then
-          break  -- a batch holds one task's calls only
+        if #taken > 3 and (taken_bytes + #raw > ${SCRIPT_BYTES}  -- one call copies a bounded amount
+            or task ~= '' and (type(msg['headers']) ~= 'table' or msg['headers']['task'] ~= task)) then
+          redis.call('RPUSH', KEYS[i], raw)  -- a batch holds one task's calls only
+          break
         end
-        if #taken > 3 and taken_bytes + #raw > ${SCRIPT_BYTES} then break end  -- one call copies a bounded amount
         taken_bytes = taken_bytes + #raw
         local tag = msg['properties']['delivery_tag']
         -- A restore (the worker died) returns it to the list it came from, not
@@ -109,13 +119,12 @@ for i = 1, n do
         local t = redis.call('TIME')
         local fetched = t[1] .. '.' .. string.format('%06d', t[2])
         redis.call('HSET', KEYS[n + 5], tag, worker .. '|' .. label .. '|' .. fetched)
-        redis.call('RPOP', KEYS[i])
         taken[#taken + 1] = raw
         taken[#taken + 1] = tag
       end
     end
     -- Found empty: out of the index (a sub-queue's list after lingering, ``leave_index``). One emptied by this
-    -- take stays in it until a fetch finds it empty (one LINDEX then, where checking after every take would
+    -- take stays in it until a fetch finds it empty (one empty RPOP then, where checking after every take would
     -- cost a command per task on a busy list).
     local full = string.sub(mask, i, i) == '2'
     if #taken == 3 and (indexed[i] or full and redis.call('SISMEMBER', ready_key, KEYS[i]) == 1) then
