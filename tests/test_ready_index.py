@@ -41,7 +41,7 @@ def _source(env, client_name: str):
 
 def _index_misses(client, s, source) -> list[str]:
     """Lists with work that the index does not hold: must be none."""
-    ready = {m.decode() for m in client.smembers(s.ready_key)}
+    ready = {m.decode() for m in client.zrange(s.ready_key, 0, -1)}
     names = [k for n in source.served.all_names() for k in source.keys_for(n) if s.is_indexed(n)]
     return [k for k in names if client.llen(k) and k not in ready]
 
@@ -104,7 +104,7 @@ def test_a_restored_message_is_indexed_again(redis_env):
     take = source.take(list(ORDER))
     assert take.message.payload[0][0] == "back"
     assert source.take(list(ORDER)).message is None  # found empty: out of the index
-    assert s.queue_name(Tier.BATCH) not in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    assert s.queue_name(Tier.BATCH) not in {m.decode() for m in adapter_client(env).zrange(s.ready_key, 0, -1)}
     source.channel.qos.restore_by_tag(take.message.delivery_tag, client=source.channel.client)  # kombu's restore
     again = source.take(list(ORDER))
     assert again.message is not None and again.message.payload[0][0] == "back"
@@ -125,12 +125,12 @@ def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_hou
     take = source.take(list(ORDER))
     assert take.message is not None and take.message.headers["id"] == "raw1"
     take.message.ack()
-    assert queue in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    assert queue in {m.decode() for m in adapter_client(env).zrange(s.ready_key, 0, -1)}
     # The housekeeper's round puts a missing list back without any fetch.
-    adapter_client(env).srem(s.ready_key, queue)
+    adapter_client(env).zrem(s.ready_key, queue)
     heal = ReadyHeal(s)
     assert heal.run(source.channel) == 1 and heal.run(source.channel) == 0
-    assert queue in {m.decode() for m in adapter_client(env).smembers(s.ready_key)}
+    assert queue in {m.decode() for m in adapter_client(env).zrange(s.ready_key, 0, -1)}
     conn.release()
 
 
@@ -139,7 +139,7 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     the tier lists and lanes whatever its copy holds); a sub-queue's list joining must move the version, by
     every path that can push into one (the publish script, kombu's restore), or a worker whose copy predates it
     would pass it over for good. A sub-queue's list found empty lingers in the index for ``READY_LINGER`` (work
-    coming back meanwhile moves nothing), then leaves it."""
+    coming back meanwhile moves nothing and starts the linger again at the next empty look), then leaves it."""
     env = redis_env
     s = settings_for(env.app)
     client, version = adapter_client(env), lambda: client.get(s.ready_key + ".version")
@@ -154,7 +154,7 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
         assert take.message.payload[0][0] == f"b{i}"
         take.message.ack()
         assert source.take(list(ORDER)).message is None  # found empty: out of the index, joins again next time
-        assert s.queue_name(Tier.BATCH) not in {m.decode() for m in client.smembers(s.ready_key)}
+        assert s.queue_name(Tier.BATCH) not in {m.decode() for m in client.zrange(s.ready_key, 0, -1)}
     assert version() == before
     sleep.apply_async(("sub", 0), tier="batch", subqueue="acme")
     assert version() != before
@@ -162,7 +162,7 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     if take.message is None:  # the tenant is new to the registry too: the reply shows it, asked again
         take = source.take(list(ORDER))
     assert take.message.payload[0][0] == "sub"
-    members = lambda: {m.decode() for m in client.smembers(s.ready_key)}  # noqa: E731
+    members = lambda: {m.decode() for m in client.zrange(s.ready_key, 0, -1)}  # noqa: E731
     acme = s.subqueue_name(Tier.BATCH, "acme")
     assert source.take(list(ORDER)).message is None  # found empty: the sub-queue's list lingers in the index
     assert acme in members()
@@ -172,8 +172,10 @@ def test_a_tier_list_joining_keeps_copies_current_and_a_sub_queue_list_joining_m
     second = source.take(list(ORDER))
     assert second.message.payload[0][0] == "sub2"
     second.message.ack()
+    assert source.take(list(ORDER)).message is None  # found empty again: its linger starts again
+    assert acme in members() and client.zscore(s.ready_key, acme) > 0
     time.sleep(READY_LINGER + 0.2)
-    assert source.take(list(ORDER)).message is None  # found empty past the linger: out of the index
+    assert source.take(list(ORDER)).message is None  # passed over past its linger: out of the index
     assert acme not in members()
     conn2, other = _source(env, "fetcher-w")  # a second worker, its copy read now (without the list)
     other._full_at = float("inf")
@@ -195,7 +197,7 @@ def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_e
     env = redis_env
     s = settings_for(env.app)
     client = adapter_client(env)
-    members = lambda: {m.decode() for m in client.smembers(s.ready_key)}  # noqa: E731
+    members = lambda: {m.decode() for m in client.zrange(s.ready_key, 0, -1)}  # noqa: E731
     conn, source = _source(env, "fetcher-h")
     source._full_at = float("inf")
     sleep = env.app.tasks["t.sleep"]
@@ -212,8 +214,7 @@ def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_e
     assert sorted(taken) == ["tenant", "tier"]
     tier_list, acme = s.queue_name(Tier.BATCH), s.subqueue_name(Tier.BATCH, "acme")
     # As a take that emptied them leaves them (whichever the fetches above happened to ask again):
-    client.sadd(s.ready_key, tier_list, acme)
-    client.hdel(s.ready_key + ".empty", acme)
+    client.zadd(s.ready_key, {tier_list: 0, acme: 0})
     heal = ReadyHeal(s)
     assert heal.run(source.channel) == 0
     assert tier_list not in members() and acme in members()  # the tier list at once; the tenant lingers
@@ -224,8 +225,47 @@ def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_e
     take = source.take(list(ORDER))
     assert take.message.payload[0][0] == "again"
     take.message.ack()
-    heal.run(source.channel)  # empty again: its linger goes on from when it was first found empty
+    heal.run(source.channel)  # empty again: its linger starts again from now ...
+    assert acme in members()
+    time.sleep(READY_LINGER + 0.2)
+    heal.run(source.channel)  # ... and is over a linger later
     assert acme not in members()
+    conn.release()
+
+
+def test_a_lingering_list_costs_a_fetch_nothing_and_a_raw_push_to_it_is_found_by_the_round(redis_env):
+    """A sub-queue's list found empty lingers in the index with the time it was found empty as its score; a
+    fetch passes it over without a look (under a realtime trickle each worker's fetch looked at it and read its
+    linger: two commands a task). A celery-prio push sets its score back to 0, so it is asked again at once; a
+    writer that does not know the index is seen at the housekeeper's next round, as for a list not indexed."""
+    env = redis_env
+    s = settings_for(env.app)
+    client = adapter_client(env)
+    conn, source = _source(env, "fetcher-l")
+    source._full_at = float("inf")  # the index alone
+    sleep = env.app.tasks["t.sleep"]
+    acme = s.subqueue_name(Tier.BATCH, "acme")
+    sleep.apply_async(("first", 0), tier="batch", subqueue="acme")
+    take = source.take(list(ORDER))
+    take = take if take.message is not None else source.take(list(ORDER))  # the tenant is new: copy read again
+    take.message.ack()
+    assert source.take(list(ORDER)).message is None  # found empty: it lingers
+    since = client.zscore(s.ready_key, acme)
+    assert since > 0
+    client.lpush(acme, message(task_id="raw"))  # a writer that does not know the index
+    assert source.take(list(ORDER)).message is None  # passed over: its score says empty, nothing looked at it
+    assert client.zscore(s.ready_key, acme) == since and client.llen(acme) == 1
+    ReadyHeal(s).run(source.channel)  # the round sees work in a lingering list: asked again
+    assert client.zscore(s.ready_key, acme) == 0
+    take = source.take(list(ORDER))
+    assert take.message is not None and take.message.headers["id"] == "raw"
+    take.message.ack()
+    assert source.take(list(ORDER)).message is None  # lingers again
+    sleep.apply_async(("pushed", 0), tier="batch", subqueue="acme")  # a celery-prio push: asked at once
+    assert client.zscore(s.ready_key, acme) == 0
+    take = source.take(list(ORDER))
+    assert take.message is not None and take.message.payload[0][0] == "pushed"
+    take.message.ack()
     conn.release()
 
 
@@ -278,14 +318,14 @@ def test_the_doorbells_net_sees_lists_with_work_by_the_index_and_uncovered_lists
     take = source.take(list(ORDER))
     take = take if take.message is not None else source.take(list(ORDER))
     take.message.ack()
-    client.srem(s.ready_key, acme)  # as after its linger
+    client.zrem(s.ready_key, acme)  # as after its linger
     assert not waiting()
     client.lpush(acme, message(task_id="raw-sub"))  # a writer that does not know the index
     assert not waiting()  # not indexed yet: the housekeeper's round puts it there ...
     ReadyHeal(s).run(source.channel)
     assert waiting()  # ... and the next timeout sees it
     client.delete(acme)
-    client.srem(s.ready_key, acme)
+    client.zrem(s.ready_key, acme)
     assert not waiting()
     client.lpush(s.queue_name(Tier.OFFLINE), message(task_id="raw-tier"))  # a tier list: always asked by EXISTS
     assert waiting()
@@ -307,7 +347,7 @@ def test_a_batch_fetch_leaves_what_it_does_not_take_where_it_was(redis_env):
     queue = s.queue_name(Tier.BATCH)
     for task_id, task in (("a1", "t.noop"), ("a2", "t.noop"), ("b1", "t.other"), ("a3", "t.noop")):
         client.lpush(queue, message(task_id=task_id, task=task))
-    client.sadd(s.ready_key, queue)
+    client.zadd(s.ready_key, {queue: 0})
     taken = source.take_more(queue, Tier.BATCH, 10, "t.noop")
     assert [m.headers["id"] for m in taken] == ["a1", "a2"]  # stopped at another task's call
     assert ids_in(client, queue) == ["b1", "a3"]  # b1 back where it was, still the oldest

@@ -92,7 +92,7 @@ class ListPlan:
         for key in self.served_lists(tiers):
             (always.append if self.ready.passed(key) else indexed.add)(key)
         pipe = client.pipeline(transaction=False)
-        pipe.smembers(self.ready.settings.ready_key)
+        pipe.zrange(self.ready.settings.ready_key, 0, 0, byscore=True)  # score 0: pushed to since found empty
         if always:
             pipe.exists(*always)
         members, *exists = pipe.execute()

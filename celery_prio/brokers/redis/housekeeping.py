@@ -293,7 +293,8 @@ class RedisHousekeeping:
         now = time.time()
         subqueues = self.source.discover_subqueues() or []
         if subqueues:  # only sub-queues with work are looked at: 500 idle tenants cost no round trip each
-            with_work = {as_text(m) for m in self.channel.client.smembers(self.settings.ready_key)}
+            ready = self.channel.client.zrange(self.settings.ready_key, 0, 0, byscore=True)  # lingering: empty
+            with_work = {as_text(m) for m in ready}
             subqueues = [name for name in subqueues if name in with_work or not self.settings.is_indexed(name)]
         for tier in AGING_TIERS:  # batch -> realtime first, so offline -> batch finds room
             self.aging.promote_aged(self.settings, tier, now)

@@ -65,8 +65,9 @@ class ReadyHeal:
 
 
 class ReadyCopy:
-    """A worker's copy of the ready index, read again (``SMEMBERS``) when a fetch reply shows its version moved
-    (a sub-queue's list joined it): the fetch script is passed only the sub-queue lists the copy holds, the tier
+    """A worker's copy of the ready index (every member, lingering ones too: one pushed to again does not move
+    the version), read again when a fetch reply shows its version moved (a sub-queue's list joined it): the
+    fetch script is passed only the sub-queue lists the copy holds, the tier
     lists and lanes (``transport.pinned_list``), and those the index does not cover, so what one fetch sends
     does not grow with the sub-queues a worker serves. A stale copy only ever misses sub-queue lists that joined
     since; the fetch that shows it is asked again at once (``RedisFetchSource.take``)."""
@@ -92,7 +93,7 @@ class ReadyCopy:
         """A fetch reply saw the index at ``version`` (and, when it refused a stale copy, its ``members``)."""
         text = version.decode() if isinstance(version, bytes) else str(version or "")
         if text != self.version or self.members is None:
-            found = client.smembers(self.settings.ready_key) if members is None else members
+            found = client.zrange(self.settings.ready_key, 0, -1) if members is None else members
             self.members = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in found)
             self.queues = frozenset(m.split(self.sep, 1)[0] for m in self.members)
             self.version, self.read_at = text, time.monotonic()
@@ -133,8 +134,8 @@ def indexed_depths(client: Any, settings: PrioSettings, names: list[str]) -> lis
     """``LLEN`` of each, but only of lists the ready index holds (or does not cover): a busy worker's report
     asks its dozens of empty lists nothing."""
     covered = [name for name in names if settings.is_indexed(name)]
-    ready = dict(zip(covered, client.smismember(settings.ready_key, covered), strict=True)) if covered else {}
-    asked = [name for name in names if ready.get(name, True)]
+    ready = dict(zip(covered, client.zmscore(settings.ready_key, covered), strict=True)) if covered else {}
+    asked = [name for name in names if ready.get(name, 0) == 0]  # score 0 (or not covered); None, a time: empty
     pipe = client.pipeline(transaction=False)
     for name in asked:
         pipe.llen(name)

@@ -221,12 +221,13 @@ class Channel(kombu_redis.Channel):
     def _mark_ready(self, add: Any, queue: str, key: str) -> None:
         """``add(command, *args)`` queues the command by which ``key`` (a list of ``queue``) joins the ready index,
         where ``queue`` is a tier queue, front lane or sub-queue (``lua/fetch.lua`` asks those only while
-        indexed): a plain ``SADD`` for a tier list or lane; for a sub-queue's, the script that also bumps the
+        indexed): a plain ``ZADD`` (score 0: may have work) for a tier list or lane; for a sub-queue's, the
+        script that also bumps the
         index's version when it joins (``lua/mark_ready.lua``: workers pass the fetch only the sub-queue lists
         their copy holds, and read it again when the version moves)."""
         index = ready_of(self.connection.client.transport_options, queue)
         if index and pinned_list(index, key):
-            add("sadd", index, key)
+            add("zadd", index, {key: 0})
         elif index:
             add("eval", MARK_READY, 2, index, key)
 

@@ -13,12 +13,13 @@
 -- A batch (``count`` > 1) takes up to ``count`` messages of one list, oldest
 -- first, each recorded the same way, and stops at one of another task (``task``)
 -- or before ``SCRIPT_BYTES`` of them (the caller asks again for more).
--- Lists with work are indexed (``<prefix>.ready``, a set: every publish script
--- adds the list it pushes to, ``mark_ready.lua``): a list marked '1' in the
--- mask is asked only if it is in the index (one SMISMEMBER for all of them,
--- not a LINDEX per list, so a busy worker's fetch costs the same whether it
--- serves 3 lists or 2,000), and leaves the index when this script finds it
--- empty. Lists marked '0' (queues other producers write to) are
+-- Lists with work are indexed (``<prefix>.ready``, a sorted set: every publish
+-- script adds the list it pushes to, ``mark_ready.lua``): a list marked '1' in
+-- the mask is asked only if it is in the index with score 0 (one ZMSCORE for
+-- all of them, not a look per list, so a busy worker's fetch costs the same
+-- whether it serves 3 lists or 2,000; a lingering list, found empty and pushed
+-- nothing since, is passed over), and leaves the index when this script finds
+-- it empty. Lists marked '0' (queues other producers write to) are
 -- always asked; lists marked '2' are asked whatever the index says and put
 -- back into it when they hold work (a worker's full ask, at most once a
 -- second when the index found nothing: the net for writers that do not
@@ -50,23 +51,23 @@ else
   version, ready_version = redis.call('GET', KEYS[n + 6]) or '', ''
 end
 if ARGV[6] ~= '' and ARGV[6] ~= ready_version then
-  return {-2, version, ready_version, redis.call('SMEMBERS', ready_key)}  -- the copy, new, in the same reply
+  return {-2, version, ready_version, redis.call('ZRANGE', ready_key, 0, -1)}  -- the copy, new, in the same reply
 end
-local indexed = {}  -- position -> in the index (only for lists the mask marks)
+local indexed = {}  -- position -> its score in the index, false when not in it (only for lists the mask marks)
 if ready_key ~= '' and string.find(mask, '1', 1, true) then
   local asked = {}
   for i = 1, n do if string.sub(mask, i, i) == '1' then asked[#asked + 1] = i end end
   for first = 1, #asked, 1000 do  -- unpack() takes a bounded number of values
     local names = {}
     for j = first, math.min(first + 999, #asked) do names[#names + 1] = KEYS[asked[j]] end
-    local flags = redis.call('SMISMEMBER', ready_key, unpack(names))
-    for j = 1, #names do indexed[asked[first + j - 1]] = flags[j] == 1 end
+    local scores = redis.call('ZMSCORE', ready_key, unpack(names))
+    for j = 1, #names do indexed[asked[first + j - 1]] = scores[j] and tonumber(scores[j]) end
   end
 end
 if ready_key ~= '' and string.find(mask, '2', 1, true) then
   for i = 1, n do  -- a full ask mends the index for every list it covers, not only the one it takes from
     if string.sub(mask, i, i) == '2' and redis.call('EXISTS', KEYS[i]) == 1
-       and redis.call('SADD', ready_key, KEYS[i]) == 1 then
+       and redis.call('ZADD', ready_key, 0, KEYS[i]) == 1 then
       ready_version = redis.call('INCR', ready_key .. '.version')
     end
   end
@@ -75,7 +76,10 @@ local dead, dead_bytes = 0, 0
 for i = 1, n do
   local label = ARGV[6 + i]
   local taken, taken_bytes = {i, version, ready_version}, 0
-  if indexed[i] ~= false then  -- false: no work in it, by the index
+  local since = indexed[i]
+  if since and since ~= 0 then  -- lingering: empty when a fetch asked it, pushed nothing since
+    leave_index(ready_key, KEYS[i], ARGV[1], since)  -- out once its linger is over
+  elseif since ~= false then  -- false: no work in it, by the index
     while #taken < 3 + 2 * count do
       -- Popped first, one command where a look and a pop were two; a message this call does not take is
       -- pushed back to the same end, so the list is as it was (atomic: nothing runs between the two).
@@ -123,12 +127,12 @@ for i = 1, n do
         taken[#taken + 1] = tag
       end
     end
-    -- Found empty: out of the index (a sub-queue's list after lingering, ``leave_index``). One emptied by this
-    -- take stays in it until a fetch finds it empty (one empty RPOP then, where checking after every take would
-    -- cost a command per task on a busy list).
-    local full = string.sub(mask, i, i) == '2'
-    if #taken == 3 and (indexed[i] or full and redis.call('SISMEMBER', ready_key, KEYS[i]) == 1) then
-      leave_index(ready_key, KEYS[i], ARGV[1])
+    -- Found empty: a tier list leaves the index, a sub-queue's starts its linger (``leave_index``). One emptied
+    -- by this take stays in it until a fetch finds it empty (one empty RPOP then, where checking after every
+    -- take would cost a command per task on a busy list).
+    if #taken == 3 then
+      if string.sub(mask, i, i) == '2' then since = redis.call('ZSCORE', ready_key, KEYS[i]) end
+      if since then leave_index(ready_key, KEYS[i], ARGV[1], since) end
     end
     if #taken > 3 then return taken end
   end

@@ -8,13 +8,19 @@
 -- KEYS: the index, then the lists to look at. ARGV: now. Returns how many were missing from it.
 --#include mark_ready
 local missing = 0
-local indexed = {}  -- one read of the index (the lists with work: few), not a member test per empty list
-for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do indexed[name] = true end
+local scores = {}  -- one read of the index (the lists with work: few), not a member test per empty list
+local flat = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for j = 1, #flat, 2 do scores[flat[j]] = flat[j + 1] end
 for i = 2, #KEYS do
+  local score = scores[KEYS[i]]
   if redis.call('EXISTS', KEYS[i]) == 1 then
-    if not indexed[KEYS[i]] and redis.call('SADD', KEYS[1], KEYS[i]) == 1 then missing = missing + 1 end
-  elseif indexed[KEYS[i]] then
-    leave_index(KEYS[1], KEYS[i], ARGV[1])
+    if not score then
+      if redis.call('ZADD', KEYS[1], 0, KEYS[i]) == 1 then missing = missing + 1 end
+    elseif tonumber(score) ~= 0 then
+      redis.call('ZADD', KEYS[1], 0, KEYS[i])  -- work in a lingering list, by a writer that does not ring it
+    end
+  elseif score then
+    leave_index(KEYS[1], KEYS[i], ARGV[1], score)
   end
 end
 if missing > 0 then redis.call('INCR', KEYS[1] .. '.version') end

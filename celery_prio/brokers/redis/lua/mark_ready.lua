@@ -1,7 +1,9 @@
 -- Lists with work: every script that pushes into a tier list, front lane or sub-queue adds the list to the
--- app's index (a set, ``<prefix>.ready``) in the same call, and the fetch script removes it when it finds
--- the list empty, so a fetch asks only lists that have work (``fetch.lua``). '' or nil (a caller before the
--- index) = none.
+-- app's index (a sorted set, ``<prefix>.ready``) in the same call, and the fetch script takes it out when it
+-- finds the list empty, so a fetch asks only lists that have work (``fetch.lua``). '' or nil (a caller before
+-- the index) = none. A member's score says what is known of its list: 0, pushed to since a fetch last found it
+-- empty (asked); a time, found empty then and pushed nothing since (a sub-queue's list lingering: not asked,
+-- it costs a fetch nothing, ``leave_index``).
 -- A sub-queue's list that joins (was not in it) bumps ``<index>.version``: workers keep a copy of the index
 -- and pass the fetch script only the sub-queue lists in it, refreshing the copy when a fetch reply shows the
 -- version moved. A tier list or front lane joining does not: every worker passes those (six lists, whatever
@@ -18,27 +20,32 @@ local function pinned_list(index, list)
 end
 
 local function mark_ready(index, list)
-  if index and index ~= '' and redis.call('SADD', index, list) == 1 and not pinned_list(index, list) then
+  -- ZADD sets the score to 0 whether or not the list was in (a lingering list with work is asked again), and
+  -- answers 1 only when it joins
+  if index and index ~= '' and redis.call('ZADD', index, 0, list) == 1 and not pinned_list(index, list) then
     redis.call('INCR', index .. '.version')
   end
 end
 
--- A list a fetch found empty leaves the index. A sub-queue's list lingers first (``<index>.empty``: list ->
--- when a fetch first found it empty) for ``READY_LINGER`` seconds: its joining again moves the version, and
--- every worker serving it then reads the index again (a realtime task's shortest-first list under a trickle
--- of 20 calls a second emptied and joined 20 times a second, each a stale round on every worker). Asked
--- while it lingers, it costs a fetch one empty look. ``since`` is not reset when work comes back: a list kept
--- busy is dropped at its first empty look after ``READY_LINGER``, which costs only a version move.
-local function leave_index(index, list, now)
+-- A list a fetch found empty leaves the index. A sub-queue's list lingers first for ``READY_LINGER`` seconds,
+-- its score the time it was found empty: its joining again would move the version, and every worker serving
+-- it then reads the index again (a realtime task's shortest-first list under a trickle of 20 calls a second
+-- emptied and joined 20 times a second, each a stale round on every worker). While it lingers and nothing is
+-- pushed to it, fetches pass it over for free (its score tells them it is empty); a push sets its score back
+-- to 0 (``mark_ready``), and its linger starts again at the next empty look. ``since``: its score (nil: not
+-- in the index). ``now`` is the caller's clock, read before its call: a worker's fetch often runs just after
+-- another's stamp and reads a time a few ms before it. Only a stamp a whole linger ahead (a clock that was
+-- wrong) ends the linger early; a small lead did, and a trickled list left and joined the index twice a second,
+-- each time sending every worker's copy to be read again.
+local function leave_index(index, list, now, since)
   if pinned_list(index, list) then
-    redis.call('SREM', index, list)
+    redis.call('ZREM', index, list)
     return
   end
-  local since = redis.call('HGET', index .. '.empty', list)
-  if not since then
-    redis.call('HSET', index .. '.empty', list, now)
-  elseif tonumber(now) - tonumber(since) >= ${READY_LINGER} or tonumber(now) < tonumber(since) then
-    redis.call('SREM', index, list)
-    redis.call('HDEL', index .. '.empty', list)
+  since = tonumber(since)
+  if since == 0 then
+    redis.call('ZADD', index, 'XX', now, list)
+  elseif since and math.abs(tonumber(now) - since) >= ${READY_LINGER} then
+    redis.call('ZREM', index, list)
   end
 end
