@@ -131,6 +131,18 @@ def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_hou
     heal = ReadyHeal(s)
     assert heal.run(source.channel) == 1 and heal.run(source.channel) == 0
     assert queue in {m.decode() for m in adapter_client(env).zrange(s.ready_key, 0, -1)}
+    # A full ask over empty lists pops none (it looked with EXISTS), and each leaves the index as an indexed
+    # fetch's empty look would have it: the emptied tier list at once (at the indexed look before), the sub-queue's
+    # list (indexed behind this worker's copy: only the full ask sees it) after its linger, which starts now.
+    client, acme = adapter_client(env), s.subqueue_name(Tier.BATCH, "acme")
+    take = source.take(list(ORDER))
+    take.message.ack()  # raw2: the offline list is empty now, still indexed
+    client.zadd(s.ready_key, {acme: 0})  # as if pushed and taken
+    source.served.set_discovered([acme])
+    source._full_at = float("-inf")
+    assert source.take(list(ORDER)).message is None
+    assert queue not in {m.decode() for m in client.zrange(s.ready_key, 0, -1)}
+    assert client.zscore(s.ready_key, acme) > 0  # its linger started
     conn.release()
 
 

@@ -53,10 +53,10 @@ end
 if ARGV[6] ~= '' and ARGV[6] ~= ready_version then
   return {-2, version, ready_version, redis.call('ZRANGE', ready_key, 0, -1)}  -- the copy, new, in the same reply
 end
-local indexed = {}  -- position -> its score in the index, false when not in it (only for lists the mask marks)
-if ready_key ~= '' and string.find(mask, '1', 1, true) then
+local indexed = {}  -- position -> its score in the index, false when not in it (lists the mask marks '1' or '2')
+if ready_key ~= '' and string.find(mask, '[12]') then
   local asked = {}
-  for i = 1, n do if string.sub(mask, i, i) == '1' then asked[#asked + 1] = i end end
+  for i = 1, n do if string.find('12', string.sub(mask, i, i), 1, true) then asked[#asked + 1] = i end end
   for first = 1, #asked, 1000 do  -- unpack() takes a bounded number of values
     local names = {}
     for j = first, math.min(first + 999, #asked) do names[#names + 1] = KEYS[asked[j]] end
@@ -64,11 +64,17 @@ if ready_key ~= '' and string.find(mask, '1', 1, true) then
     for j = 1, #names do indexed[asked[first + j - 1]] = scores[j] and tonumber(scores[j]) end
   end
 end
+local present = {}  -- a full ask's lists ('2'): whether each holds anything, looked at once here
 if ready_key ~= '' and string.find(mask, '2', 1, true) then
   for i = 1, n do  -- a full ask mends the index for every list it covers, not only the one it takes from
-    if string.sub(mask, i, i) == '2' and redis.call('EXISTS', KEYS[i]) == 1
-       and redis.call('ZADD', ready_key, 0, KEYS[i]) == 1 then
-      ready_version = redis.call('INCR', ready_key .. '.version')
+    if string.sub(mask, i, i) == '2' then
+      present[i] = redis.call('EXISTS', KEYS[i]) == 1
+      if present[i] and indexed[i] ~= 0 then
+        if redis.call('ZADD', ready_key, 0, KEYS[i]) == 1 then
+          ready_version = redis.call('INCR', ready_key .. '.version')
+        end
+        indexed[i] = 0
+      end
     end
   end
 end
@@ -77,9 +83,12 @@ for i = 1, n do
   local label = ARGV[6 + i]
   local taken, taken_bytes = {i, version, ready_version}, 0
   local since = indexed[i]
-  if since and since ~= 0 then  -- lingering: empty when a fetch asked it, pushed nothing since
-    leave_index(ready_key, KEYS[i], ARGV[1], since)  -- out once its linger is over
-  elseif since ~= false then  -- false: no work in it, by the index
+  -- Asked: a list the index does not cover (nil), or one it holds with score 0 (pushed to since found empty);
+  -- not a lingering one (a time: found empty, pushed nothing since) nor one out of it (false). A full ask's
+  -- lists as EXISTS found them just above (no pop of an empty list).
+  local look = since == nil or since == 0
+  if present[i] ~= nil then look = present[i] end
+  if look then
     while #taken < 3 + 2 * count do
       -- Popped first, one command where a look and a pop were two; a message this call does not take is
       -- pushed back to the same end, so the list is as it was (atomic: nothing runs between the two).
@@ -127,15 +136,12 @@ for i = 1, n do
         taken[#taken + 1] = tag
       end
     end
-    -- Found empty: a tier list leaves the index, a sub-queue's starts its linger (``leave_index``). One emptied
-    -- by this take stays in it until a fetch finds it empty (one empty RPOP then, where checking after every
-    -- take would cost a command per task on a busy list).
-    if #taken == 3 then
-      if string.sub(mask, i, i) == '2' then since = redis.call('ZSCORE', ready_key, KEYS[i]) end
-      if since then leave_index(ready_key, KEYS[i], ARGV[1], since) end
-    end
-    if #taken > 3 then return taken end
   end
+  -- Found empty: a tier list leaves the index, a sub-queue's starts its linger or, lingering, leaves once it is
+  -- over (``leave_index``). One emptied by this take stays in it until a fetch finds it empty (one empty RPOP
+  -- then, where checking after every take would cost a command per task on a busy list).
+  if #taken == 3 and since then leave_index(ready_key, KEYS[i], ARGV[1], since) end
+  if #taken > 3 then return taken end
 end
 if dead > 0 then return {0, version, ready_version, dead} end
 for b = n + 8, #KEYS do redis.call('DEL', KEYS[b]) end
