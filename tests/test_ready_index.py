@@ -113,6 +113,8 @@ def test_a_restored_message_is_indexed_again(redis_env):
 
 
 def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_housekeepers_round(redis_env):
+    """A full ask (once a second at most, when the index found nothing) sees a raw push into a tier list; the
+    housekeeper's round sees one into any list of the fleet."""
     env = redis_env
     s = settings_for(env.app)
     conn, source = _source(env, "fetcher-f")
@@ -131,18 +133,20 @@ def test_a_writer_that_does_not_know_the_index_is_seen_by_a_full_ask_and_the_hou
     heal = ReadyHeal(s)
     assert heal.run(source.channel) == 1 and heal.run(source.channel) == 0
     assert queue in {m.decode() for m in adapter_client(env).zrange(s.ready_key, 0, -1)}
-    # A full ask over empty lists pops none (it looked with EXISTS), and each leaves the index as an indexed
-    # fetch's empty look would have it: the emptied tier list at once (at the indexed look before), the sub-queue's
-    # list (indexed behind this worker's copy: only the full ask sees it) after its linger, which starts now.
+    # A full ask looks at the lists a writer that does not know the index pushes to (tier lists, lanes: one
+    # EXISTS each, no pop of an empty one); a sub-queue's list is celery-prio's own, left to the round.
     client, acme = adapter_client(env), s.subqueue_name(Tier.BATCH, "acme")
     take = source.take(list(ORDER))
-    take.message.ack()  # raw2: the offline list is empty now, still indexed
-    client.zadd(s.ready_key, {acme: 0})  # as if pushed and taken
-    source.served.set_discovered([acme])
+    take.message.ack()  # raw2
+    client.sadd(s.subqueue_registry, acme)  # a tenant publishers registered
+    client.lpush(acme, message(task_id="raw-sub"))  # not indexed
     source._full_at = float("-inf")
-    assert source.take(list(ORDER)).message is None
-    assert queue not in {m.decode() for m in client.zrange(s.ready_key, 0, -1)}
-    assert client.zscore(s.ready_key, acme) > 0  # its linger started
+    assert source.take(list(ORDER)).message is None  # a full ask costs the same whatever the tenants served
+    assert queue not in {m.decode() for m in client.zrange(s.ready_key, 0, -1)}  # the emptied tier list left
+    assert heal.run(source.channel) == 1  # the round finds the sub-queue's list ...
+    take = source.take(list(ORDER))
+    assert take.message is not None and take.message.headers["id"] == "raw-sub"  # ... and the next fetch takes it
+    take.message.ack()
     conn.release()
 
 

@@ -51,9 +51,15 @@ class ListPlan:
 
     def lists(self, tiers: list[Tier], every: bool = False) -> list[tuple[str, Candidate]]:
         """The lists of ``tiers``' queues in asking order, with their queue: those the copy of the index may
-        show with work (``every``, or no copy read yet: all of them)."""
+        show with work (no copy read yet: all of them); ``every``: those a writer that does not know the index
+        pushes to (tier lists, front lanes, lists it does not cover), whatever the copy holds. A sub-queue's
+        list is celery-prio's own: only its publishers write there, and they keep the index; the housekeeper's
+        round still looks at each (``ReadyHeal``), so a full ask costs the same whatever the tenants served."""
         indexed = not every and self.ready.members is not None
         keep, select = (self.ready.may_have_work, self.ready.select) if indexed else (None, None)
+        if every:
+            passed = self.ready.passed
+            select = lambda keys: [k for k in keys if passed(k)]  # noqa: E731
         out: list[tuple[str, Candidate]] = []
         for tier in tiers:
             for candidate in self.served.candidates(tier, keep):

@@ -68,7 +68,7 @@ class RedisFetchSource(BrokerFetchSource):
         self.doorbell: Doorbell | None = None  # the idle wait, once the worker's event loop is known
         # (``served.version``, tiers whose every list a fetch asked and found empty at that version)
         self._found_empty: tuple[int, frozenset[Tier]] = (-1, frozenset())
-        self._full_at = float("-inf")  # the last fetch that asked every list (``take``)
+        self._full_at = float("-inf")  # the last full ask (``take``)
         self._ready = ReadyCopy(self.settings, channel.sep)  # this worker's copy of the ready index
         self.plan = ListPlan(served, self._ready, channel._q_for_pri, channel.priority_steps)
 
@@ -116,8 +116,9 @@ class RedisFetchSource(BrokerFetchSource):
         hit, asked = self._fetch_ready(tiers)
         full = False
         if hit is None and time.monotonic() - self._full_at >= FULL_ASK_INTERVAL:
-            # The index found nothing: once a second at most, every list is asked (and the index mended), so a
-            # writer that does not know the index (an older producer, a plain kombu client) is seen here too.
+            # The index found nothing: once a second at most, the tier lists and lanes are asked whatever the
+            # index holds (and it is mended), so a writer that does not know the index (an older producer, a
+            # plain kombu client) is seen here too.
             self._full_at = time.monotonic()
             self.broker_calls += 1
             asked, full = self.plan.lists(tiers, every=True), True

@@ -8,7 +8,8 @@ client publishing into a tier list) would leave its list unseen: this round
 looks at every list of the fleet (tier queues, front lanes, registered
 sub-queues, each with kombu's priority lists), ``HEAL_BATCH`` lists per run,
 so such a message waits at most a round, never forever. A worker whose
-indexed fetch found nothing also asks every list, at most every
+indexed fetch found nothing also asks its tier lists and lanes (where such
+a writer pushes; a sub-queue's list is left to this round), at most every
 ``FULL_ASK_INTERVAL`` (``RedisFetchSource.take``).
 """
 
@@ -26,7 +27,7 @@ from .transport import pinned_list, registered_subqueues
 if TYPE_CHECKING:
     from kombu.transport.redis import Channel as RedisChannel
 
-#: Seconds between a worker's full asks (every list it serves, the ready index mended): only when the index
+#: Seconds between a worker's full asks (its tier lists and lanes, the ready index mended): only when the index
 #: found nothing, so a busy worker never makes one.
 FULL_ASK_INTERVAL = 1.0
 
