@@ -19,6 +19,12 @@ DEAD_AT = "prio_dead_at"
 #: serving the tier take from it first, oldest first.
 PROMOTED_SUFFIX = ".promoted"
 
+#: Redis: the ready index's name after ``<prefix>.``: a sorted set of the lists that may hold work. Not
+#: ``ready``: that was a plain set in builds before the scores, and a script that sends a sorted-set
+#: command to it fails with WRONGTYPE, so a fleet (or a Redis) those builds left an index in would fail
+#: every publish; under this name the old set is never touched (the housekeeper's round finds their lists).
+READY_INDEX = "ready-index"
+
 #: On the continuation of a sliced task: ``{"gen": n, "enqueued_at": t}``:
 #: the n-th resumption, and when the first run was published (waits and aging
 #: count from there).

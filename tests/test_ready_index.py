@@ -46,6 +46,22 @@ def _index_misses(client, s, source) -> list[str]:
     return [k for k in names if client.llen(k) and k not in ready]
 
 
+def _publish_and_take_one_tier_and_one_tenant_call(env, source) -> None:
+    """A batch call to the tier list and one to tenant acme's sub-queue, both taken and acked by ``source``."""
+    sleep = env.app.tasks["t.sleep"]
+    sleep.apply_async(("tier", 0), tier="batch")
+    sleep.apply_async(("tenant", 0), tier="batch", subqueue="acme")
+    taken = []
+    for _ in range(4):
+        take = source.take(list(ORDER))
+        if take.message is not None:
+            taken.append(take.message.payload[0][0])
+            take.message.ack()
+        if len(taken) == 2:
+            break
+    assert sorted(taken) == ["tenant", "tier"]
+
+
 def test_the_index_stays_exact_under_concurrent_publishers_and_fetchers(redis_env):
     env = redis_env
     env.configure(max_wait={"realtime": None})
@@ -216,25 +232,14 @@ def test_the_housekeepers_round_takes_out_lists_no_fetch_will_find_empty(redis_e
     members = lambda: {m.decode() for m in client.zrange(s.ready_key, 0, -1)}  # noqa: E731
     conn, source = _source(env, "fetcher-h")
     source._full_at = float("inf")
-    sleep = env.app.tasks["t.sleep"]
-    sleep.apply_async(("tier", 0), tier="batch")
-    sleep.apply_async(("tenant", 0), tier="batch", subqueue="acme")
-    taken = []
-    for _ in range(4):
-        take = source.take(list(ORDER))
-        if take.message is not None:
-            taken.append(take.message.payload[0][0])
-            take.message.ack()
-        if len(taken) == 2:
-            break
-    assert sorted(taken) == ["tenant", "tier"]
+    _publish_and_take_one_tier_and_one_tenant_call(env, source)
     tier_list, acme = s.queue_name(Tier.BATCH), s.subqueue_name(Tier.BATCH, "acme")
     # As a take that emptied them leaves them (whichever the fetches above happened to ask again):
     client.zadd(s.ready_key, {tier_list: 0, acme: 0})
     heal = ReadyHeal(s)
     assert heal.run(source.channel) == 0
     assert tier_list not in members() and acme in members()  # the tier list at once; the tenant lingers
-    sleep.apply_async(("again", 0), tier="batch", subqueue="acme")  # work while it lingers: it stays
+    env.app.tasks["t.sleep"].apply_async(("again", 0), tier="batch", subqueue="acme")  # work while it lingers: it stays
     time.sleep(READY_LINGER + 0.2)
     heal.run(source.channel)
     assert acme in members()
@@ -380,4 +385,21 @@ def test_a_batch_fetch_leaves_what_it_does_not_take_where_it_was(redis_env):
     assert client.llen(s.dead_letter_queue) == 1
     for m in taken:
         m.ack()
+    conn.release()
+
+
+def test_an_index_left_as_a_plain_set_by_an_earlier_build_breaks_no_publish_or_fetch(redis_env):
+    """Builds before the index's scores kept it as a plain set at ``<prefix>.ready``; a sorted-set command on
+    that key fails with WRONGTYPE. A Redis that such a fleet used still holds the set, and each publish and
+    fetch must work beside it: the index lives under another name, and the old set is never touched."""
+    env = redis_env
+    s = settings_for(env.app)
+    client = adapter_client(env)
+    old = f"{s.queue_prefix}.ready"
+    assert s.ready_key != old
+    client.sadd(old, s.queue_name(Tier.BATCH))
+    conn, source = _source(env, "fetcher-old-set")
+    _publish_and_take_one_tier_and_one_tenant_call(env, source)
+    assert client.type(old) == b"set" and client.type(s.ready_key) in (b"zset", b"none")
+    client.delete(old)
     conn.release()

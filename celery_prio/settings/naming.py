@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import zlib
 
-from ..headers import PROMOTED_SUFFIX
+from ..headers import PROMOTED_SUFFIX, READY_INDEX
 from ..tiers import TIERS, Tier
 
 SUBQUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -75,8 +75,9 @@ class QueueNames:
 
     @property
     def ready_key(self) -> str:
-        """Redis set: the tier lists, front lanes and sub-queue lists that hold work (``lua/mark_ready.lua``)."""
-        return f"{self.queue_prefix}.ready"
+        """Redis sorted set: the tier lists, front lanes and sub-queue lists that may hold work
+        (``lua/mark_ready.lua``)."""
+        return f"{self.queue_prefix}.{READY_INDEX}"
 
     def is_indexed(self, queue: str) -> bool:
         """A tier queue, front lane or sub-queue: only celery-prio's scripts push to its lists, so a fetch asks

@@ -1,6 +1,6 @@
 """Redis's ready index, seen from Python: which lists it covers, depths read through it, and its safety nets.
 
-Every celery-prio writer keeps ``<prefix>.ready`` exact in the same call
+Every celery-prio writer keeps ``<prefix>.ready-index`` exact in the same call
 as its push (``lua/mark_ready.lua``, the transport's ``_put`` and restore),
 and a fetch asks only indexed lists (``lua/fetch.lua``). A writer that does
 not know the index (a producer still on a release before it, a plain kombu

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 
-from ...headers import PROMOTED_SUFFIX
+from ...headers import PROMOTED_SUFFIX, READY_INDEX
 
 #: Bytes of messages one script call reads at most where it walks a list (requeue, boost scan, the
 #: fetch's dead-lettering): a few ms of Redis, and little Lua memory, whatever the messages' size.
@@ -51,6 +51,7 @@ _CONSTANTS = {
     "BOOST_SCAN_BUDGET": BOOST_SCAN_BUDGET,
     "PROMOTED_SUFFIX": PROMOTED_SUFFIX,
     "READY_LINGER": READY_LINGER,
+    "READY_INDEX": READY_INDEX,
 }
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.M)
 _CONSTANT = re.compile(r"\$\{(\w+)\}")

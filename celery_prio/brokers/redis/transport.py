@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...errors import QueueFull
-from ...headers import PROMOTED_SUFFIX
+from ...headers import PROMOTED_SUFFIX, READY_INDEX
 from ...tiers import parse_tier
 from .scripts import BELL_MAX, GUARDED_PUSH, MARK_READY
 
@@ -305,7 +305,7 @@ def pinned_list(index: str, key: str) -> bool:
     the same reading as ``lua/mark_ready.lua``'s."""
     if "\x06" in key:  # kombu's list of a message priority ("<list>\x06\x16<n>"): rare, not pinned
         return False
-    rest = key[len(index) - len("ready") :]  # after "<prefix>."
+    rest = key[len(index) - len(READY_INDEX) :]  # after "<prefix>."
     dot = rest.find(".")
     return dot < 0 or rest[dot:] == PROMOTED_SUFFIX
 

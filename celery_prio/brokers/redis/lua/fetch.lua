@@ -13,7 +13,7 @@
 -- A batch (``count`` > 1) takes up to ``count`` messages of one list, oldest
 -- first, each recorded the same way, and stops at one of another task (``task``)
 -- or before ``SCRIPT_BYTES`` of them (the caller asks again for more).
--- Lists with work are indexed (``<prefix>.ready``, a sorted set: every publish
+-- Lists with work are indexed (``<prefix>.ready-index``, a sorted set: every publish
 -- script adds the list it pushes to, ``mark_ready.lua``): a list marked '1' in
 -- the mask is asked only if it is in the index with score 0 (one ZMSCORE for
 -- all of them, not a look per list, so a busy worker's fetch costs the same

@@ -1,5 +1,5 @@
 -- Lists with work: every script that pushes into a tier list, front lane or sub-queue adds the list to the
--- app's index (a sorted set, ``<prefix>.ready``) in the same call, and the fetch script takes it out when it
+-- app's index (a sorted set, ``<prefix>.ready-index``) in the same call, and the fetch script takes it out when it
 -- finds the list empty, so a fetch asks only lists that have work (``fetch.lua``). '' or nil (a caller before
 -- the index) = none. A member's score says what is known of its list: 0, pushed to since a fetch last found it
 -- empty (asked); a time, found empty then and pushed nothing since (a sub-queue's list lingering: not asked,
@@ -14,7 +14,7 @@
 -- not read as pinned bumps: always safe, only dearer. ``transport.pinned_list`` reads names the same way.
 local function pinned_list(index, list)
   if string.find(list, '\6', 1, true) then return false end
-  local rest = string.sub(list, #index - 4)  -- after '<prefix>.'
+  local rest = string.sub(list, #index - #'${READY_INDEX}' + 1)  -- after '<prefix>.'
   local dot = string.find(rest, '.', 1, true)
   return dot == nil or string.sub(rest, dot) == '${PROMOTED_SUFFIX}'
 end
