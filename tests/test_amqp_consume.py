@@ -392,6 +392,12 @@ def test_idle_reports_pace_each_pushed_queue_and_slow_down_for_many():
     assert reports.due(many, set(many), 20.0) == many
     assert reports.due(many, set(many), 21.0) == ()  # 500 at once: each every 2 s
     assert reports.due(many, set(many), 22.0) == many
+    # The same queues asked again before any is due: none, and one that had work in between is reported at once.
+    assert reports.due(("a", "b"), pushed, 30.0) == ("a", "b")
+    assert reports.due(("a", "b"), pushed, 30.01) == ()
+    reports.busy("b")
+    assert reports.due(("a", "b"), pushed, 30.02) == ("b",)
+    assert reports.due(("a", "b"), pushed, 30.0 + IDLE_REPORT_INTERVAL) == ("a",)
 
 
 def test_consume_mode_refuses_quorum_queues_and_bad_values():

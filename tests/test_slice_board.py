@@ -30,7 +30,17 @@ def test_one_waiting_task_frees_one_slot_until_refilled():
     assert board.claim_yield(O, R, 2)  # a second waiting task gets a second slot
     board.refilled()
     assert board.yielded_for() is None
+    assert board.pending() == (0, None)  # (read without the lock while none is pending)
     assert board.claim_yield(B, R, 1)  # new waiting work after the refill
+    assert board.pending() == (1, R)
+
+
+def test_a_pending_yield_is_seen_whichever_field_a_reader_finds_set():
+    board = SliceBoard()
+    # A reader racing a claim may find one field written and not the other: it must not take that for none.
+    for pending, for_tier in ((1, 0), (0, R.value + 1)):
+        board._mem[:16] = pending.to_bytes(8, "little") + for_tier.to_bytes(8, "little")
+        assert board.pending() != (0, None)
 
 
 def test_no_preemptors_no_yield():

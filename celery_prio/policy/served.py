@@ -154,8 +154,9 @@ class ServedQueues:
     def _shares_of(self, queue: str) -> QueueShares | None:
         return self._shares_by_queue.get(queue)  # front lanes: not shared
 
+    # ``dispatched``, ``finished`` and ``observe_wait`` run once per task a worker runs: ``_shares_of`` written out.
     def dispatched(self, queue: str) -> float:
-        shares = self._shares_of(queue)
+        shares = self._shares_by_queue.get(queue)
         if shares is None:
             return 0.0
         return shares.dispatched(queue, self.clock())
@@ -163,7 +164,7 @@ class ServedQueues:
     def finished(self, queue: str, runtime: float, charge: float) -> None:
         self.runs += 1
         self.on_run(queue)
-        shares = self._shares_of(queue)
+        shares = self._shares_by_queue.get(queue)
         if shares is not None:
             shares.finished(queue, runtime, charge)
 
@@ -174,7 +175,7 @@ class ServedQueues:
             shares.empty(queue)
 
     def observe_wait(self, queue: str, wait: float) -> None:
-        shares = self._shares_of(queue)
+        shares = self._shares_by_queue.get(queue)
         if shares is not None:
             shares.observe_wait(queue, wait)
 

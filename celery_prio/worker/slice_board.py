@@ -136,6 +136,11 @@ class SliceBoard:
 
     def pending(self) -> tuple[int, Tier | None]:
         """Yields pending (not yet refilled), and the tier the last was for."""
+        if not any(_GLOBAL.unpack_from(self._mem, 0)):
+            # None pending (asked once per task a worker runs): read without the lock. A claim sets both fields
+            # non-zero, so a read racing it sees both still zero (as if read just before it: the next refill
+            # sees it) or one of them set, and then reads both again under the lock.
+            return 0, None
         with self._lock:
             pending, for_tier = _GLOBAL.unpack_from(self._mem, 0)
         return pending, (Tier(for_tier - 1) if for_tier else None)

@@ -312,11 +312,11 @@ class AmqpConsumeSource(AmqpFetchSource):
         if held is None:
             # Nothing lower in hand would take the slot meanwhile: wait for the push instead of asking.
             plan = [(tier, name) for tier, name in plan if name not in pending]
-        found, asked = self._first_found(plan, now)
+        found, asked = self._first_found(plan, now) if plan else (None, [])  # (no plan: every queue pushed)
         for _, name in plan if pending else ():
             if name in pending and self._empty_at.get(name) == now:  # asked now and found empty
                 self._settle_watch.found_empty(self._out[name])
-        if found is None:
+        if found is None and plan:
             # py-amqp reads deliveries while it waits for a get's answer: a pushed queue asked because its next
             # message was on its way may have it in hand now, and it comes before whatever was held.
             arrived = next(((t, n) for t, n in plan if n in self.pushed and self._hand[n]), None)

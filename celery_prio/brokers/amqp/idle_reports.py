@@ -29,19 +29,30 @@ class IdleReports:
 
     def __init__(self) -> None:
         self._at: dict[str, float] = {}
+        # The last ``queues`` asked about, when all were pushed, and when the first of them is due again: a busy
+        # drain's every take finds the same empty queues beside the one it takes from (its tier's other queues),
+        # and until one is due the answer is none, with no look at each.
+        self._last: tuple[tuple[str, ...], float] | None = None
 
     def due(self, queues: tuple[str, ...], pushed: Container[str], now: float) -> tuple[str, ...]:
         """Of ``queues`` (found empty), those to report now; the pushed ones among them are noted as reported."""
         if not queues:
             return queues
+        last = self._last
+        if last is not None and now < last[1] and last[0] == queues:
+            return ()
         reported, every = self._at, report_interval(queues)
         due = []
+        all_pushed = True
         for name in queues:
             if name in pushed:
                 if now - reported.get(name, float("-inf")) < every:
                     continue
                 reported[name] = now
+            else:
+                all_pushed = False  # asked by basic_get: reported every time
             due.append(name)
+        self._last = (queues, self.next_due(queues, now)) if all_pushed else None
         return tuple(due)
 
     def next_due(self, queues: tuple[str, ...], now: float) -> float:
@@ -51,7 +62,8 @@ class IdleReports:
 
     def busy(self, name: str) -> None:
         """``name`` had work (or is no longer pushed): reported at once the next time it is found empty."""
-        self._at.pop(name, None)
+        if self._at.pop(name, None) is not None:
+            self._last = None
 
 
 __all__ = ["IDLE_REPORTS_PER_S", "IDLE_REPORT_INTERVAL", "IdleReports", "report_interval"]
