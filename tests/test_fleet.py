@@ -80,15 +80,23 @@ def test_a_busy_redis_worker_does_not_ask_the_tiers_it_is_blocked_on(redis_env):
     n = 60
     for i in range(n):
         env.app.tasks["t.sleep"].apply_async((f"b{i}", 0.02), tier="batch")
-    env.wait_for(lambda: any(x["tag"] == "b5" for x in env.log()), what="the backlog to be under way")
-    sent = time.time()
-    env.app.tasks["t.rt_sleep"].delay("rt", 0.0)
-    env.wait_for(lambda: env.depth(Tier.BATCH) == 0 and len(env.log()) >= 2 * (n + 1), what="everything to run")
+    # Three realtime calls during the backlog, each timed from its send: the median is what is asserted, so
+    # one call that a loaded host (the whole suite on two cores) stalls for a few hundred ms does not decide.
+    sent: dict[str, float] = {}
+    for k, after in enumerate(("b5", "b20", "b35")):
+        env.wait_for(lambda after=after: any(x["tag"] == after for x in env.log()), what=f"the backlog past {after}")
+        sent[f"rt{k}"] = time.time()
+        env.app.tasks["t.rt_sleep"].delay(f"rt{k}", 0.0)
+    total = n + len(sent)
+    env.wait_for(lambda: env.depth(Tier.BATCH) == 0 and len(env.log()) >= 2 * total, what="everything to run")
     started = {x["tag"]: x["t"] for x in env.log() if x["kind"] == "start"}
-    assert started["rt"] - sent < 0.1, started["rt"] - sent  # woken by its bell, not at a timeout
+    waits = sorted(started[tag] - at for tag, at in sent.items())
+    # Woken by its bell: a few ms. Not at a timeout: realtime is asked again without a token only by the
+    # housekeeper's round or a full ask, a second apart.
+    assert waits[1] < 0.1, waits
     (prio,) = collect_prio_stats(env.app, timeout=5, limit=1).values()
     # One fetch per task, plus the idle spells' (a few); asking realtime after every task would be 2 per task.
-    assert prio["broker_calls"] <= 1.3 * (n + 1) + 10, prio["broker_calls"]
+    assert prio["broker_calls"] <= 1.3 * total + 10, prio["broker_calls"]
 
 
 def test_a_busy_rabbitmq_worker_holds_nothing_and_an_idle_one_only_what_it_is_about_to_run(amqp_env):
