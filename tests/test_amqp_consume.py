@@ -8,6 +8,7 @@ when a queue's next message comes. Then the worker scenarios of
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import time
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ import pytest
 
 from celery_prio import settings_for
 from celery_prio.brokers.amqp.consume import AmqpConsumeSource
-from celery_prio.brokers.amqp.idle_reports import IDLE_REPORT_INTERVAL, IdleReports
+from celery_prio.brokers.amqp.idle_reports import IDLE_REPORT_INTERVAL, IdleReports, report_interval
 from celery_prio.errors import ConfigError
 from celery_prio.policy.served import ServedQueues
 from celery_prio.settings import load_settings
@@ -398,6 +399,25 @@ def test_idle_reports_pace_each_pushed_queue_and_slow_down_for_many():
     reports.busy("b")
     assert reports.due(("a", "b"), pushed, 30.02) == ("b",)
     assert reports.due(("a", "b"), pushed, 30.0 + IDLE_REPORT_INTERVAL) == ("a",)
+
+
+def test_idle_reports_next_due_is_when_the_first_reported_is_due_again():
+    """``next_due`` answers from what ``due`` worked out for the same queues: checked against the report
+    times ``due`` returned, over random asks, gaps and queues that had work in between."""
+    rng, reports, names = random.Random(37), IdleReports(), ("a", "b", "c")
+    reported_at: dict[str, float] = {}
+    now = 100.0
+    for _ in range(3000):
+        now += rng.choice((0.0, 0.001, 0.01, 0.03, IDLE_REPORT_INTERVAL, 0.07))
+        if rng.random() < 0.1:
+            name = rng.choice(names)
+            reports.busy(name)
+            reported_at.pop(name, None)
+        queues = tuple(n for n in names if rng.random() < 0.7) or names
+        for name in reports.due(queues, set(names), now):
+            reported_at[name] = now
+        expected = min(reported_at.get(n, now) for n in queues) + report_interval(queues)
+        assert reports.next_due(queues, now) == pytest.approx(expected)
 
 
 def test_consume_mode_refuses_quorum_queues_and_bad_values():

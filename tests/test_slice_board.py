@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import struct
 
 from celery_prio.tiers import Tier
 from celery_prio.worker.slice_board import SliceBoard
@@ -39,7 +40,7 @@ def test_a_pending_yield_is_seen_whichever_field_a_reader_finds_set():
     board = SliceBoard()
     # A reader racing a claim may find one field written and not the other: it must not take that for none.
     for pending, for_tier in ((1, 0), (0, R.value + 1)):
-        board._mem[:16] = pending.to_bytes(8, "little") + for_tier.to_bytes(8, "little")
+        board._mem[:16] = struct.pack("=qq", pending, for_tier)  # the board's own layout: native byte order
         assert board.pending() != (0, None)
 
 

@@ -44,19 +44,26 @@ class IdleReports:
         reported, every = self._at, report_interval(queues)
         due = []
         all_pushed = True
+        earliest = now  # the oldest report among them once this one is noted: when the first is due again
         for name in queues:
             if name in pushed:
-                if now - reported.get(name, float("-inf")) < every:
+                at = reported.get(name, float("-inf"))
+                if now - at < every:
+                    earliest = min(earliest, at)
                     continue
                 reported[name] = now
             else:
                 all_pushed = False  # asked by basic_get: reported every time
             due.append(name)
-        self._last = (queues, self.next_due(queues, now)) if all_pushed else None
+        self._last = (queues, earliest + every) if all_pushed else None
         return tuple(due)
 
     def next_due(self, queues: tuple[str, ...], now: float) -> float:
-        """When the first of ``queues`` (all pushed, just passed to :meth:`due`) is due again."""
+        """When the first of ``queues`` (all pushed, just passed to :meth:`due`) is due again: what that call
+        worked out, when it was about the same queues."""
+        last = self._last
+        if last is not None and last[0] == queues:
+            return last[1]
         reported = self._at
         return min([reported.get(name, now) for name in queues], default=now) + report_interval(queues)
 
