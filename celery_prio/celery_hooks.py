@@ -40,8 +40,9 @@ them in. Celery's private names are in ``celery_private.py``.
    queue the router chose (``producer/admission.py``). ``before_task_publish``
    cannot catch the broker's nack, which comes after it.
 7. **A pool job leaving its slot** (the worker pool's ``apply_async``): the
-   fetch loop refills the slot at once. Celery's ``task_postrun`` runs in
-   the pool child, not in the worker's main process where the fetch runs.
+   fetch loop refills the slot at once, inside the result callback where the
+   prefork pool reads it on the worker's loop. Celery's ``task_postrun`` runs
+   in the pool child, not in the worker's main process where the fetch runs.
 8. **``celery inspect conf`` masks ``prio_management_url``** (Celery's
    ``HIDDEN_SETTINGS``): the URL may hold credentials; Celery offers no way
    to add a name to the list but to extend it.
@@ -234,20 +235,21 @@ def guard_send_task(app: Celery, runtime: Prio, current_settings: Callable[[], P
 
 
 # -- 7. the worker's pool ------------------------------------------------------------------------------------
-def notify_when_jobs_end(pool: BasePool, on_end: Callable[[], None]) -> None:
-    """Wrap ``pool.apply_async`` so that ``on_end`` runs when a job leaves its slot (its callback or error
-    callback ran). Installed before the task strategies are built (they capture ``pool.apply_async``), so
-    every request Celery runs goes through it."""
+def notify_when_jobs_end(pool: BasePool, on_end: Callable[[bool], None]) -> None:
+    """Wrap ``pool.apply_async`` so that ``on_end`` runs when a job leaves its slot: ``on_end(True)`` after its
+    result callback (the task ran, whatever its outcome), ``on_end(False)`` after its error callback (the pool
+    lost the job: a killed child, a hard time limit). Installed before the task strategies are built (they
+    capture ``pool.apply_async``), so every request Celery runs goes through it."""
     apply_async = pool.apply_async
     if _ours(apply_async):
         return
 
-    def notify(callback: Callable[..., object]) -> Callable[..., object]:
+    def notify(callback: Callable[..., object], by_result: bool) -> Callable[..., object]:
         def called(*args: object, **kwargs: object) -> object:
             try:
                 return callback(*args, **kwargs)
             finally:
-                on_end()
+                on_end(by_result)
 
         return called
 
@@ -259,8 +261,8 @@ def notify_when_jobs_end(pool: BasePool, on_end: Callable[[], None]) -> None:
     ) -> object:
         return apply_async(
             *args,
-            callback=notify(callback) if callback else None,
-            error_callback=notify(error_callback) if error_callback else None,
+            callback=notify(callback, True) if callback else None,
+            error_callback=notify(error_callback, False) if error_callback else None,
             **kwargs,
         )
 

@@ -136,7 +136,7 @@ class _SliceRun:
         slice_length = settings.slice[tier]
         if slice_length is None:
             return None
-        continuations.ready()
+        continuations.ready(board().queue_changes())
         return cls(task, {resume: None, **carry}, tier, slice_length, generation, enqueued_at)
 
     def should_yield(self) -> bool:
@@ -148,7 +148,7 @@ class _SliceRun:
         app = self.task.app
         for tier in preemptors:  # highest first
             try:  # in its queues, and pushed to this worker waiting for a slot (not in the queues' count)
-                waiting = _continuations(app).waiting(tier) + self.board.held(tier)
+                waiting = _continuations(app).waiting(tier, self.board.queue_changes()) + self.board.held(tier)
             except Exception:  # the broker is unreachable now: running on is always safe
                 logger.debug("celery-prio: could not ask the broker whether %s waits", tier.label, exc_info=True)
                 return False

@@ -106,14 +106,45 @@ def test_send_task_turns_a_rabbitmq_refusal_into_queue_full_naming_the_routed_ti
 
 
 def test_a_pool_job_leaving_its_slot_is_heard_once_per_job():
-    """7. On Celery's own solo pool (real workers of every pool: tests/test_worker.py)."""
+    """7. On Celery's own solo pool (real workers of every pool: tests/test_worker.py): a job that ran is heard
+    as ended by its result callback."""
     pool = TaskPool()
-    ended: list[str] = []
+    ended: list[object] = []
     results: list[int] = []
-    celery_hooks.notify_when_jobs_end(pool, lambda: ended.append("end"))
-    celery_hooks.notify_when_jobs_end(pool, lambda: ended.append("twice"))  # not wrapped again
+    celery_hooks.notify_when_jobs_end(pool, lambda by_result: ended.append(by_result))
+    celery_hooks.notify_when_jobs_end(pool, lambda by_result: ended.append("twice"))  # not wrapped again
     pool.apply_async(lambda: 42, callback=results.append)
-    assert results == [42] and ended == ["end"]
+    assert results == [42] and ended == [True]
+
+
+def test_a_pool_job_the_pool_lost_is_heard_as_not_ended_by_its_result():
+    """7. A job's error callback (the pool lost it: a killed child, a hard time limit) ends its slot too, marked
+    so that the worker settles it from its event loop, not inside the pool's error handling."""
+
+    class LosingPool:  # Celery's pools call ``error_callback`` for a lost job; this one loses every job
+        def apply_async(self, target, callback=None, error_callback=None, **kwargs):
+            error_callback(RuntimeError("child killed"))
+
+    pool = LosingPool()
+    ended: list[object] = []
+    errors: list[object] = []
+    celery_hooks.notify_when_jobs_end(pool, lambda by_result: ended.append(by_result))
+    pool.apply_async(lambda: 42, callback=lambda r: None, error_callback=errors.append)
+    assert len(errors) == 1 and ended == [False]
+
+
+def test_only_the_prefork_pool_reports_results_on_the_event_loop():
+    """The slot of a job that ended is refilled in its result callback only where that callback runs on the
+    event loop's thread from outside the task: prefork. Threads call back from a pool thread; solo from
+    inside the fetch loop's own pump (a refill there would recurse)."""
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+    from celery.concurrency.thread import TaskPool as ThreadPool
+
+    from celery_prio.worker.worker_runtime import results_on_loop
+
+    assert results_on_loop(PreforkPool(limit=1))
+    assert not results_on_loop(ThreadPool(limit=1))
+    assert not results_on_loop(TaskPool())
 
 
 def test_inspect_conf_masks_the_management_url():

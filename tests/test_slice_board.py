@@ -81,3 +81,25 @@ def test_tasks_blocked_in_wait_are_counted_per_tier_and_survive_other_writes():
     assert board.waiting() == {R: 1, B: 0, O: 0}
     board.leave_wait(B)  # never below zero
     assert board.waiting()[B] == 0
+
+
+def _count_changes(board: SliceBoard, queue) -> None:
+    queue.put(board.queue_changes())
+
+
+def test_changes_to_the_served_queues_are_counted_where_a_forked_child_reads_them():
+    """The main process counts each change to the queues it serves; a pool child lists its sub-queues again when
+    the count moved (a per-call realtime task's new sub-queue), and the other fields are left as they were."""
+    board = SliceBoard()
+    board.set_preemptors({B: {R}})
+    board.set_held({R: 2})
+    assert board.queue_changes() == 0
+    board.queues_changed()
+    board.queues_changed()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_count_changes, args=(board, queue))
+    child.start()
+    assert queue.get(timeout=10) == 2
+    child.join(10)
+    assert board.ask(B, 1.0) == [R] and board.held(R) == 2 and board.pending() == (0, None)

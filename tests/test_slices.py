@@ -99,6 +99,24 @@ def test_realtime_latency_bounded_by_a_slice(env):
     assert next(e["tag"] for e in env.log() if e["kind"] == "readied") == "long:1"
 
 
+def test_a_realtime_call_to_a_new_subqueue_is_yielded_to_at_the_next_slice(env):
+    """A realtime call named per call (``tier="realtime"``) of a task not realtime on its decorator goes to that
+    task's shortest-first sub-queue, new to the fleet here: the sliced run listed its tier's queues as it began,
+    before that queue existed, and still sees the call at its next element boundaries once the worker found the
+    queue, not when its list is two seconds old. (It was not: the call waited for the run's end, past the 1 s
+    realtime deadline, and expired unrun.)"""
+    env.configure(**SLICED)
+    env.start_worker(concurrency=1)
+    long = env.app.tasks["t.sliced"].delay("long", 80, 0.05)  # 4 s of 50 ms elements
+    env.wait_for(lambda: elements(env, "long"), what="the sliced task to start")
+    time.sleep(0.3)  # the run's list of realtime's queues is made and in use
+    t0 = time.monotonic()
+    assert env.app.tasks["t.sleep"].apply_async(("per-call", 0), tier="realtime").get(timeout=10) == "per-call"
+    waited = time.monotonic() - t0
+    assert long.get(timeout=30) == [i * i for i in range(80)]
+    assert waited < 1.0, waited  # a slice, the worker finding the queue, a list made again; not the 2 s list
+
+
 def test_crash_between_publish_and_ack_completes_once(env):
     """The worker dies right after a continuation was published, before the ack (acks_late)."""
     env.configure(visibility_timeout=2, redeliver_after={"batch": 2}, **SLICED)

@@ -75,20 +75,22 @@ class Continuations(Bound, ABC):
         return (redelivered or generation > 0) and self.committed(task_id) > generation
 
     @abstractmethod
-    def waiting(self, tier: Tier) -> int:
-        """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child."""
+    def waiting(self, tier: Tier, changes: int = 0) -> int:
+        """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child; ``changes``: the
+        worker's count of changes to the queues it serves (``SliceBoard.queue_changes``)."""
 
     _ready_in = 0  # the process whose connection and sub-queue list ``ready`` set up
 
-    def ready(self) -> None:
+    def ready(self, changes: int = 0) -> None:
         """Connect and list the sub-queues now, once per process: a sliced run's first check whether a higher
         tier waits is what a realtime call arriving mid-run waits on, and cold it costs a connection and, on
-        RabbitMQ, a read of the registry stream (70 ms here). Asked as a sliced run starts, on its own time."""
+        RabbitMQ, a read of the registry stream (70 ms here). Asked as a sliced run starts, on its own time
+        (``changes`` as for ``waiting``)."""
         if self.readied:
             return
         self._ready_in = os.getpid()
         try:
-            self.waiting(Tier.REALTIME)
+            self.waiting(Tier.REALTIME, changes)
         except Exception:  # the check itself tries again, and runs on while the broker is away
             logger.debug("celery-prio: could not ready this process's slice checks", exc_info=True)
 

@@ -186,11 +186,12 @@ class PrioConsumer(Consumer):
             notify_when_jobs_end(pool, self._slot_freed)
         super().__init__(on_task_request_tracked, *args, pool=pool, **kwargs)
 
-    def _slot_freed(self) -> None:
-        """A pool job left its slot (any thread): the fetcher settles and refills it."""
+    def _slot_freed(self, by_result: bool) -> None:
+        """A pool job left its slot (any thread; ``by_result``: through its result callback): the fetcher
+        settles and refills it."""
         fetcher = self.task_consumer
         if isinstance(fetcher, TierFetcher):
-            fetcher.runtime.slot_freed()
+            fetcher.runtime.slot_freed(by_result)
 
 
 __all__ = ["PrioConsumer", "PrioTasks", "TierFetcher"]

@@ -17,7 +17,9 @@ yields are pending (not yet refilled by the main process), so one waiting
 task frees one slot, not every slot. Children also write when they last
 looked (the main process keeps preemptors up to date only while a sliced
 task runs), count their yields (reported by the worker) and name the tier
-they yielded for (the freed slot goes to it).
+they yielded for (the freed slot goes to it). The main process also counts
+the changes to the queues it serves, so that a child lists a tier's
+sub-queues again when one was found since its last list.
 
 The memory is an anonymous shared mapping made by ``install()`` in the
 process that becomes the worker's main process, before the pool forks, so
@@ -44,7 +46,10 @@ from ..tiers import TIERS, Tier
 _TIER = struct.Struct("=dqqqq")
 # Global: pending yields (since the main process last refilled), tier yielded for (+1; 0 none).
 _GLOBAL = struct.Struct("=qq")
-_SIZE = _GLOBAL.size + _TIER.size * len(TIERS)
+# After the tiers: how many times the queues the main process serves changed (a sub-queue found, one gone).
+_CHANGES = struct.Struct("=q")
+_CHANGES_OFFSET = _GLOBAL.size + _TIER.size * len(TIERS)
+_SIZE = _CHANGES_OFFSET + _CHANGES.size
 
 
 def _mask(tiers: Iterable[Tier]) -> int:
@@ -97,6 +102,12 @@ class SliceBoard:
         with self._lock:
             return int(_TIER.unpack_from(self._mem, self._tier_offset(tier))[4])
 
+    def queue_changes(self) -> int:
+        """How many times the main process's served queues changed: a pool child's list of a tier's sub-queues
+        made at another count is made again (a per-call realtime task's shortest-first sub-queue may be new)."""
+        with self._lock:
+            return int(_CHANGES.unpack_from(self._mem, _CHANGES_OFFSET)[0])
+
     def enter_wait(self, tier: Tier) -> None:
         """A task of ``tier`` blocks in ``celery_prio.wait`` (priority inheritance): it holds a slot, runs nothing."""
         self._add_waiting(tier, 1)
@@ -122,6 +133,11 @@ class SliceBoard:
                 fields = list(_TIER.unpack_from(self._mem, self._tier_offset(tier)))
                 fields[4] = max(int(held.get(tier, 0)), 0)
                 _TIER.pack_into(self._mem, self._tier_offset(tier), *fields)
+
+    def queues_changed(self) -> None:
+        """The queues the main process serves changed (``queue_changes``)."""
+        with self._lock:
+            _CHANGES.pack_into(self._mem, _CHANGES_OFFSET, _CHANGES.unpack_from(self._mem, _CHANGES_OFFSET)[0] + 1)
 
     def set_preemptors(self, preemptors: Mapping[Tier, Iterable[Tier]]) -> None:
         """Per running sliced tier, the tiers it yields to when they have work (absent: none)."""

@@ -1,7 +1,8 @@
 """Telling running sliced tasks whom to yield to, and learning which running tasks wait on others.
 
 Every ``SLICE_CHECK_INTERVAL`` while tasks run, and not at all while none
-does (a task's start arms it again): an idle worker's event loop sleeps. No
+does (a task's start arms it again): an idle worker's event loop sleeps. A
+change to the queues served is counted on the board there too. No
 broker call here: the board is memory shared with the pool children, and a
 sliced task asks the broker itself (``slices.py``), adding what this worker
 holds in hand (RabbitMQ pushed it here: its queue no longer counts it).
@@ -36,9 +37,12 @@ class SlicePreemption:
         loop: FetchLoop,
         hub: Hub,
         held: Callable[[], Mapping[Tier, int]] = dict,
+        served_version: Callable[[], int] = int,
     ) -> None:
         self.board, self.scheduler, self.loop, self.hub = board, scheduler, loop, hub
         self.held = held  # per tier, messages pushed to this worker that wait for a slot (the source's hand)
+        self.served_version = served_version  # bumped whenever the queues served may have changed
+        self._served_seen: int | None = None  # the version last counted on the board (None: none yet)
         self._timer: Any = None  # the next check, while tasks run
 
     def arm(self) -> None:
@@ -53,6 +57,10 @@ class SlicePreemption:
 
     def _check(self) -> None:
         self._timer = None
+        served = self.served_version()
+        if served != self._served_seen:  # a sub-queue found (or gone): a sliced run lists its tier's queues again
+            self._served_seen = served
+            self.board.queues_changed()
         blocked = self.board.waiting()
         if blocked != self.scheduler.blocked:  # a task began or ended waiting on others: its tier may take a slot
             self.scheduler.blocked = blocked

@@ -9,11 +9,13 @@ the fetch source reads it, the fetch loop orders by it, discovery writes it.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING
 
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
@@ -90,6 +92,10 @@ class WorkerRuntime:
             lanes=self.served,
         )
         self.loop.defer_refill = type(consumer.pool).__module__ == "celery.concurrency.solo"  # tasks on this thread
+        # Prefork reports a task's end on this loop's thread, from outside the task: its slot is refilled right
+        # there (``slot_freed``). Others defer: threads report from a pool thread, solo from inside our own pump.
+        self.settle_on_result = results_on_loop(consumer.pool)
+        self._loop_thread = threading.get_ident()  # the consumer starts on the thread that runs its event loop
         if settings.trace_file is not None:
             from .trace import TraceRecorder
 
@@ -104,7 +110,9 @@ class WorkerRuntime:
         )  # fmt: skip
         self.intake.deadline = settings.realtime_deadline
         self.watch = FleetWatch(self.source, self.served, settings, self._idle)
-        self.slices = SlicePreemption(self.board, self.scheduler, self.loop, hub, self.source.held_by_tier)
+        self.slices = SlicePreemption(
+            self.board, self.scheduler, self.loop, hub, self.source.held_by_tier, lambda: self.served.version
+        )
         self.housekeeping = Housekeeping(hub)
         self._settle_scheduled = False
         # One promise, called once per task: kombu's ``call_soon`` would otherwise wrap the method in a new one.
@@ -170,14 +178,26 @@ class WorkerRuntime:
         self.loop.started(request, tier)
         self.slices.arm()
 
-    def slot_freed(self) -> None:
-        """A pool job ended (any thread): settle and refill from the event loop.
+    def slot_freed(self, by_result: bool = False) -> None:
+        """A pool job ended (any thread): settle and refill.
 
-        Via ``call_soon`` on purpose: it runs at the top of the next loop turn,
-        before the prefork pool's on-tick hook that registers pipe writes for
-        queued jobs. Fetching from an on-tick hook of our own would race that
-        hook and could leave a job unwritten until the next poll timeout.
+        A prefork job that ended through its result callback (``by_result``) is settled in that callback: the
+        next job is then in the pool's outbound buffer before the loop's next turn, as Celery's own prefetched
+        jobs are, and the freed child is written to in that turn (a no-op drain's main process spends about
+        8 % less per task than through ``call_soon``). Every other end (a thread pool's, solo's, a job the
+        pool lost, a batch's) is settled from the event loop, via ``call_soon``: it runs at the top of the next
+        loop turn, before the prefork pool's on-tick hook that registers pipe writes for queued jobs. Fetching
+        from an on-tick hook of our own would race that hook and could leave a job unwritten until the next
+        poll timeout.
         """
+        if by_result and self.settle_on_result and threading.get_ident() == self._loop_thread:
+            try:
+                self.settle()
+                return
+            except self.loop.reraise:
+                # The connection is gone (a pool flushed while the consumer restarts): settled again from the
+                # loop, where the consumer hears of it as it always has, not inside the pool's result handling.
+                pass
         if not self._settle_scheduled:
             self._settle_scheduled = True
             self.hub.call_soon(self._settle_soon)
@@ -234,6 +254,13 @@ class WorkerRuntime:
             unserved=self.watch.unserved.rows,
             discovery_problem=self.source.discovery_problem,
         )
+
+
+def results_on_loop(pool: object) -> bool:
+    """Whether ``pool`` reports its jobs' results on the worker's event loop, from outside the job: Celery's
+    prefork pool (its children write results to pipes the loop reads). The thread pool calls back from its
+    own threads, and solo from inside the task's own ``apply_async``, within the fetch loop's pump."""
+    return isinstance(pool, PreforkPool)
 
 
 def concurrency_of(consumer: Consumer) -> int:

@@ -42,10 +42,10 @@ class RedisContinuations(ProcessConnection, Continuations):
         except ValueError:  # anyone can write to Redis: an unreadable marker marks nothing stale
             return 0
 
-    def waiting(self, tier: Tier) -> int:
+    def waiting(self, tier: Tier, changes: int = 0) -> int:
         """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
 
-        names = tier_queues(self.settings, tier, self.subqueues())
+        names = tier_queues(self.settings, tier, self.subqueues(changes))
 
         def count(client: Redis) -> int:
             pipe = client.pipeline(transaction=False)
