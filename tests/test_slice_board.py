@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import struct
 
 from celery_prio.tiers import Tier
@@ -83,23 +84,28 @@ def test_tasks_blocked_in_wait_are_counted_per_tier_and_survive_other_writes():
     assert board.waiting()[B] == 0
 
 
-def _count_changes(board: SliceBoard, queue) -> None:
-    queue.put(board.queue_changes())
-
-
 def test_changes_to_the_served_queues_are_counted_where_a_forked_child_reads_them():
     """The main process counts each change to the queues it serves; a pool child lists its sub-queues again when
-    the count moved (a per-call realtime task's new sub-queue), and the other fields are left as they were."""
+    the count moved (a per-call realtime task's new sub-queue), and the other fields are left as they were.
+    (A bare fork and a pipe: the child starts no thread, which a fork of this many-threaded test process could
+    leave waiting on a lock.)"""
     board = SliceBoard()
     board.set_preemptors({B: {R}})
     board.set_held({R: 2})
     assert board.queue_changes() == 0
     board.queues_changed()
     board.queues_changed()
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_count_changes, args=(board, queue))
-    child.start()
-    assert queue.get(timeout=10) == 2
-    child.join(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: what it reads of the board, then out without running the parent's exit handlers
+        try:
+            os.write(write, str(board.queue_changes()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 32) == b"2"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
     assert board.ask(B, 1.0) == [R] and board.held(R) == 2 and board.pending() == (0, None)

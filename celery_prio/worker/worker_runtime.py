@@ -184,20 +184,22 @@ class WorkerRuntime:
         A prefork job that ended through its result callback (``by_result``) is settled in that callback: the
         next job is then in the pool's outbound buffer before the loop's next turn, as Celery's own prefetched
         jobs are, and the freed child is written to in that turn (a no-op drain's main process spends about
-        8 % less per task than through ``call_soon``). Every other end (a thread pool's, solo's, a job the
-        pool lost, a batch's) is settled from the event loop, via ``call_soon``: it runs at the top of the next
-        loop turn, before the prefork pool's on-tick hook that registers pipe writes for queued jobs. Fetching
-        from an on-tick hook of our own would race that hook and could leave a job unwritten until the next
-        poll timeout.
+        8 % less per task than through ``call_soon``); an error it meets is raised again from the loop. Every
+        other end (a thread pool's, solo's, a job the pool lost, a batch's) is settled from the event loop,
+        via ``call_soon``: it runs at the top of the next loop turn, before the prefork pool's on-tick hook
+        that registers pipe writes for queued jobs. Fetching from an on-tick hook of our own would race that
+        hook and could leave a job unwritten until the next poll timeout.
         """
         if by_result and self.settle_on_result and threading.get_ident() == self._loop_thread:
             try:
                 self.settle()
                 return
-            except self.loop.reraise:
-                # The connection is gone (a pool flushed while the consumer restarts): settled again from the
-                # loop, where the consumer hears of it as it always has, not inside the pool's result handling.
-                pass
+            except Exception as exc:  # raised again below, not handled
+                # Raised again at the top of the loop's next turn, as when the refill ran there: a lost
+                # connection reaches the consumer, which reconnects. Not here: billiard would log it as a
+                # callback's error and go on, and the worker with it, on a dead channel.
+                self.hub.call_soon(_raise, exc)
+                return
         if not self._settle_scheduled:
             self._settle_scheduled = True
             self.hub.call_soon(self._settle_soon)
@@ -254,6 +256,10 @@ class WorkerRuntime:
             unserved=self.watch.unserved.rows,
             discovery_problem=self.source.discovery_problem,
         )
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def results_on_loop(pool: object) -> bool:
