@@ -75,13 +75,13 @@ class Continuations(Bound, ABC):
         return (redelivered or generation > 0) and self.committed(task_id) > generation
 
     @abstractmethod
-    def waiting(self, tier: Tier, changes: int = 0) -> int:
+    def waiting(self, tier: Tier, changes: int | None = None) -> int:
         """Messages waiting in ``tier`` (its queues and front lane), asked from a pool child; ``changes``: the
         worker's count of changes to the queues it serves (``SliceBoard.queue_changes``)."""
 
     _ready_in = 0  # the process whose connection and sub-queue list ``ready`` set up
 
-    def ready(self, changes: int = 0) -> None:
+    def ready(self, changes: int | None = None) -> None:
         """Connect and list the sub-queues now, once per process: a sliced run's first check whether a higher
         tier waits is what a realtime call arriving mid-run waits on, and cold it costs a connection and, on
         RabbitMQ, a read of the registry stream (70 ms here). Asked as a sliced run starts, on its own time

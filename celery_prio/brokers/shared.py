@@ -43,17 +43,19 @@ class ProcessConnection(Bound):
     def forget(self) -> None:
         self._conn = None  # reconnect on the next call
 
-    _subqueues: tuple[float, list[str], int] | None = None
+    _subqueues: tuple[float, list[str], int | None] | None = None
 
-    def subqueues(self, changes: int = 0) -> list[str]:
+    def subqueues(self, changes: int | None = None) -> list[str]:
         """This app's sub-queues (listed, and realtime's shortest-first ones), at most every
         ``SUBQUEUE_LIST_TTL`` seconds per process, and again whenever ``changes`` (the worker's count of changes
         to the queues it serves) differs from the list's: asked at sliced tasks' element boundaries, where a
-        per-call realtime task's new sub-queue must be seen at the next boundary, not a list's lifetime later."""
+        per-call realtime task's new sub-queue must be seen at the next boundary, not a list's lifetime later.
+        ``None`` (a caller with no count: a boost) leaves the list's lifetime alone to decide."""
         app, settings = self.app, self.settings
         now = time.monotonic()
         cached = self._subqueues
-        if cached is None or now - cached[0] > SUBQUEUE_LIST_TTL or cached[2] != changes or self._pid != os.getpid():
+        moved = changes is not None and cached is not None and cached[2] != changes
+        if cached is None or moved or now - cached[0] > SUBQUEUE_LIST_TTL or self._pid != os.getpid():
             try:
                 names = self.list_subqueues()
             except Exception:  # a listing that fails leaves the last one in use
@@ -62,7 +64,7 @@ class ProcessConnection(Bound):
                 from ..policy.routes import sjf_queues
 
                 names = [*names, *sjf_queues(settings, app.tasks, every_task=self.every_task_sjf)]
-            self._subqueues = (now, names, changes)
+            self._subqueues = (now, names, changes if changes is not None else cached[2] if cached else None)
         return self._subqueues[1]
 
     def list_subqueues(self) -> list[str]:

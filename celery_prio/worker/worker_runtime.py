@@ -94,8 +94,8 @@ class WorkerRuntime:
         self.loop.defer_refill = type(consumer.pool).__module__ == "celery.concurrency.solo"  # tasks on this thread
         # Prefork reports a task's end on this loop's thread, from outside the task: its slot is refilled right
         # there (``slot_freed``). Others defer: threads report from a pool thread, solo from inside our own pump.
-        self.settle_on_result = results_on_loop(consumer.pool)
-        self._loop_thread = threading.get_ident()  # the consumer starts on the thread that runs its event loop
+        # (The consumer starts on the thread that runs its event loop; None: no pool reports there.)
+        self._results_thread = threading.get_ident() if results_on_loop(consumer.pool) else None
         if settings.trace_file is not None:
             from .trace import TraceRecorder
 
@@ -190,7 +190,7 @@ class WorkerRuntime:
         that registers pipe writes for queued jobs. Fetching from an on-tick hook of our own would race that
         hook and could leave a job unwritten until the next poll timeout.
         """
-        if by_result and self.settle_on_result and threading.get_ident() == self._loop_thread:
+        if by_result and threading.get_ident() == self._results_thread:
             try:
                 self.settle()
                 return

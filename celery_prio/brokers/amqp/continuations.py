@@ -150,7 +150,7 @@ class AmqpContinuations(ProcessConnection, Continuations):
         # A copy that never went back to its queue is the one the last run published: never stale.
         return redelivered and self.committed(task_id, since) > generation
 
-    def waiting(self, tier: Tier, changes: int = 0) -> int:
+    def waiting(self, tier: Tier, changes: int | None = None) -> int:
         """Messages waiting in ``tier``: a passive declare per queue (they exist: workers declared them)."""
         from amqp.exceptions import NotFound
 

@@ -42,7 +42,7 @@ class RedisContinuations(ProcessConnection, Continuations):
         except ValueError:  # anyone can write to Redis: an unreadable marker marks nothing stale
             return 0
 
-    def waiting(self, tier: Tier, changes: int = 0) -> int:
+    def waiting(self, tier: Tier, changes: int | None = None) -> int:
         """Messages waiting in ``tier`` (one round trip): asked by a sliced task at an element boundary."""
 
         names = tier_queues(self.settings, tier, self.subqueues(changes))
