@@ -211,13 +211,11 @@ CASES = {
 }
 
 
-#: Figures compared per case: realtime P99, then offline completions in the window. The simulator under-counts
-#: offline progress against a real worker on the 2-core CI machine of 2026-12-03: in the demo's shape (aging
-#: offline at 8 s of a 10 s window) it predicts 44 of 60 offline tasks done where real runs finished 59-60, on
-#: the code of that day and on code from before issue 40 alike; in the overload shape 8 where real runs gave
-#: 10-12. The realtime P99 is compared in both; the offline gap is an open defect of the simulator's model
-#: (CHANGELOG.md), not noise this test may absorb, and the real figures are printed when the test fails.
-FIGURES = {"overload": 1, "demo": 1}
+#: Figures compared per case: realtime P99, then offline completions in the window. Until 2026-12-07 only the P99
+#: was compared: real workers finished 59-60 of the demo's 60 offline tasks where the model predicted 44 (weights
+#: 8:2:1 under a batch backlog give offline about a third of the non-realtime slot time). Real runs of that day
+#: finish 42-45 (demo) and 9 (overload) against the model's 44 and 8, so both figures are compared again.
+FIGURES = {"overload": 2, "demo": 2}
 
 
 def within(simulated: float, real: float, tolerance: float = 0.25) -> bool:
