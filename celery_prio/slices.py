@@ -84,6 +84,7 @@ class _SliceRun:
         slice_length: float,
         generation: int,
         enqueued_at: Any,
+        began: float,
     ) -> None:
         self.task = task
         self.arguments = arguments  # resume + carry: argument name -> value for the next run
@@ -92,12 +93,16 @@ class _SliceRun:
         self.slice_length = slice_length
         self.generation = generation
         self.enqueued_at = enqueued_at
-        self.started = time.monotonic()
+        # The slot is held from the run's start, the broker checks above included (on RabbitMQ a new pool
+        # child's first list of sub-queues waits 50 ms for the registry to go quiet): counted from after them, a
+        # run's first boundary past the slice length came one element late, and realtime waited two elements.
+        self.started = began
         self.checked_at = float("-inf")
         self.board = board()
 
     @classmethod
     def begin(cls, task: Task, resume: str, carry: dict[str, Any]) -> _SliceRun | None:
+        began = time.monotonic()
         request = task.request
         if request.called_directly or request.is_eager or not request.delivery_info:
             return None
@@ -136,8 +141,12 @@ class _SliceRun:
         slice_length = settings.slice[tier]
         if slice_length is None:
             return None
+        # Seen at once by the main process, which works out a tier's preemptors only while its sliced tasks
+        # look at the board: a run's first boundary then finds them (the first run of a tier found none and
+        # ran a second element before it could yield).
+        board().ask(tier, began)
         continuations.ready(board().queue_changes())
-        return cls(task, {resume: None, **carry}, tier, slice_length, generation, enqueued_at)
+        return cls(task, {resume: None, **carry}, tier, slice_length, generation, enqueued_at, began)
 
     def should_yield(self) -> bool:
         now = time.monotonic()

@@ -258,6 +258,29 @@ def test_a_message_held_past_hold_max_goes_back_for_another_worker(amqp_env):
         take.message.ack()
 
 
+def test_a_realtime_message_given_back_is_taken_before_a_lower_tier_in_hand_when_a_slot_asks(amqp_env):
+    """A take that starts a parked queue's consumer again asks the queue in the same round trip; RabbitMQ pushes
+    the message to the new consumer and answers the get empty, the push a moment after. Without waiting for it,
+    the offline message in hand took the slot (on a ``-c 1`` sliced worker, the slot a run yielded for realtime),
+    and the realtime message was held until ``prio_hold_max`` and given back again."""
+    env = amqp_env
+    with push_source(env, free=0, hold_max=0.2) as (source, conn):
+        source.take([])  # consumers out; no slot free
+        sleep = env.app.tasks["t.sleep"]
+        sleep.apply_async(("r", 0), tier="realtime")
+        pump_until(conn, lambda: source.held == 1)
+        time.sleep(0.25)
+        source.give_back_stale()  # held past hold_max: back to its queue, whose consumer is cancelled (parked)
+        pump_until(conn, lambda: env.depth(R) == 1)
+        sleep.apply_async(("o", 0), tier="offline")
+        pump_until(conn, lambda: source.held == 1)  # offline's message in hand
+        source.free_slots = lambda: 1
+        take = source.take(ORDER)
+        assert (take.tier, take.message.payload[0][0]) == (R, "r")
+        take.message.ack()
+        assert source.held == 1  # offline's, still in hand for the next slot
+
+
 def test_stop_gives_back_what_it_holds(amqp_env):
     env = amqp_env
     with push_source(env, free=2) as (source, conn):

@@ -17,7 +17,7 @@ from celery.result import AsyncResult, GroupResult
 
 import celery_prio
 from celery_prio.boost import waited_on
-from celery_prio.brokers.amqp.fetch import FLEET_JOINED
+from celery_prio.brokers.amqp.boost import FLEET_JOINED
 from celery_prio.policy.superseded import Superseded, generation_of
 from celery_prio.tiers import Tier
 from celery_prio.worker.control import collect_prio_stats

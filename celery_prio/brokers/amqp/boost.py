@@ -349,6 +349,35 @@ def join_fleet(channel: AmqpChannel, settings: PrioSettings) -> None:
     channel.basic_consume(queue=fleet_name(settings), no_ack=True, callback=lambda message: None)
 
 
+#: Logged once a worker counts for boosts (before its first fetch); tests wait for it.
+FLEET_JOINED = "joined the fleet"
+#: Tries at reading the boost journal when a worker joins (a connection the broker closes is tried again).
+JOURNAL_READ_TRIES = 3
+
+
+def read_journal_joining(app: Celery, settings: PrioSettings) -> list[JournalRecord]:
+    """The journal's boosts, read by a worker that just joined the fleet (on a connection of its own)."""
+    records: list[JournalRecord] = []
+    key = app_boost_key(app, settings)
+    if key is None:  # no boost can be written, nor obeyed: nothing to read
+        logger.info("celery-prio: %s, but %s; this worker ignores prio_supersede", FLEET_JOINED, NO_KEY)
+        return records
+    for attempt in range(JOURNAL_READ_TRIES):
+        try:
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=3)
+                records = read_journal(conn.connection, settings, key)
+            break
+        except Exception:
+            if attempt + 1 < JOURNAL_READ_TRIES:  # e.g. INTERNAL_ERROR while many workers declare it at once
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown.
+            logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
+    logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
+    return records
+
+
 def read_journal(connection: AmqpConnection, settings: PrioSettings, key: bytes) -> list[JournalRecord]:
     """Every boost in the journal, as ``Superseded.merge`` takes them: ``[id, gen, None]`` when committed,
     ``[id, gen, None, "pending"]`` when prepared and not (yet) committed; withdrawals applied.

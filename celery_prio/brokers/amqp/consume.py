@@ -225,7 +225,8 @@ class AmqpConsumeSource(AmqpFetchSource):
         now = time.monotonic()
         self._hand[name].append((raw, now, tag))
         self._settle_watch.gone(tag)
-        self._watch_hand(now)
+        if now >= self._give_back_at:  # no look for messages held too long armed: due ``prio_hold_max`` from now
+            self._arm_look(now, self.hold_max)
         tier = self.served.tier_of(name)
         self._unquiet(name, tier)
         self._count_held(name, 1, tier)
@@ -319,7 +320,14 @@ class AmqpConsumeSource(AmqpFetchSource):
         if found is None and plan:
             # py-amqp reads deliveries while it waits for a get's answer: a pushed queue asked because its next
             # message was on its way may have it in hand now, and it comes before whatever was held.
-            arrived = next(((t, n) for t, n in plan if n in self.pushed and self._hand[n]), None)
+            arrived = self._first_in_hand(plan)
+            if arrived is None and held is not None and any(t is Tier.REALTIME and n in pending for t, n in plan):
+                # RabbitMQ can answer the get empty while its push to our consumer waits in the channel's mailbox,
+                # and a lower tier's message would take the slot (the realtime one held until ``prio_hold_max``):
+                # a later method's answer comes after the push, so a no-op one brings it in (docs: internals).
+                self.channel.basic_qos(0, 1, False)
+                self.broker_calls += 1
+                arrived = self._first_in_hand(plan)
             if arrived is not None:
                 held = arrived
         # A pushed queue whose next message may be on its way is not known to be empty: not reported as looked
@@ -354,6 +362,9 @@ class AmqpConsumeSource(AmqpFetchSource):
             self._quiet_due = now  # its next ask reports what is due then, and works out when the next is
         return take
 
+    def _first_in_hand(self, plan: list[tuple[Tier, str]]) -> tuple[Tier, str] | None:
+        return next(((t, n) for t, n in plan if n in self.pushed and self._hand[n]), None)
+
     def _split(self, tier: Tier, now: float) -> tuple[set[str], list[str]]:
         """``tier``'s queues that may have a message (not pushed, in hand, parked, on its way), and the rest."""
         lane = self.served.promoted.get(tier)
@@ -386,21 +397,15 @@ class AmqpConsumeSource(AmqpFetchSource):
         return min(max(expected, self.free_slots()), self.slots * self._prefetch_multiplier)
 
     def wait_for_work(self, order: list[Tier]) -> bool:
-        """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll). Otherwise (more queues
-        than ``PUSH_MAX``, or one not known to exist) the loop polls, as it does for ``basic_get``.
-        (The take that found nothing just looked at every one of ``order``'s queues: its answer is kept.)"""
+        """Every queue of ``order`` pushed: the next delivery wakes the loop (no poll; the take that found nothing
+        looked at them all, and its answer is kept). Otherwise (past ``PUSH_MAX``, or one unknown to exist) it polls."""
         return not self._deferred and self._all_pushed
 
     # -- housekeeping ------------------------------------------------------------
     def housekeeping(self, dispatched: Callable[[], Mapping[Tier, int]]) -> list[Job]:
-        # The look is armed by the deliveries themselves (``_watch_hand``): an idle worker's loop is not woken
+        # The look is armed by the deliveries themselves (``_arrived``): an idle worker's loop is not woken
         # every ``prio_hold_max / 2`` for an empty hand. This slow round only re-arms a look that was lost.
         return [*super().housekeeping(dispatched), Job(HAND_BACKSTOP, self._look_at_hand, "give back held messages")]
-
-    def _watch_hand(self, now: float) -> None:
-        """A message came into the hand: a look for messages held too long is due ``prio_hold_max`` later."""
-        if now >= self._give_back_at:  # no look armed yet
-            self._arm_look(now, self.hold_max)
 
     def _arm_look(self, now: float, delay: float) -> None:
         """The look at the hand, ``delay`` from ``now``, replacing any armed before: a look re-arms itself while

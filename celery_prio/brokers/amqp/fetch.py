@@ -7,15 +7,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import amqp
-
-from ...headers import DEAD_AT, DEAD_QUEUE, DEAD_REASON, DEAD_TIER
 from ...policy.admission import REFUSAL_COUNTERS
 from ...policy.served import ServedQueues
 from ...settings import PrioSettings
 from ...tiers import Tier
 from ..base import MAX_ANNOUNCED_TASKS, BoostRecord, BrokerFetchSource, BrokerFigures, Job, Take
 from ..soon import PACE_INTERVAL, Soon
+from .dead_letters import publish_dead
 from .fleet_figures import TICK_INTERVAL, FleetFigures
 from .idle import IDLE_CONSUMERS_MAX, IDLE_RECHECK, IdleWait
 from .management import listed_subqueues
@@ -31,9 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Logged once a worker counts for boosts (before its first fetch); tests wait for it.
-FLEET_JOINED = "joined the fleet"
-
 #: An empty queue is re-asked after poll_interval / 10 at the soonest: on a
 #: busy worker asking it on every fetch would double the round trips.
 PROBE_FRACTION = 1 / 10
@@ -43,8 +38,6 @@ PROBE_FRACTION = 1 / 10
 # a thousand cost a worker this many round trips a second, not a thousand per fetch.
 IDLE_PROBE_BUDGET = 200.0
 
-#: Tries at reading the boost journal when a worker joins (a connection the broker closes is tried again).
-JOURNAL_READ_TRIES = 3
 #: At most this many ``basic_get`` in one round trip (queues found empty, then one that had work).
 PIPELINE_MAX = 8
 #: A fleet's record read this recently (by the lease's look) serves the report's refusal counts.
@@ -83,7 +76,8 @@ class AmqpFetchSource(BrokerFetchSource):
         self._listing_retry_at = 0.0
         # Sub-queues found through the registry stream (pushed: brokers/amqp/registry.py), declared here
         # on the loop before they are asked; and this worker's presence in the tiers it serves.
-        self.follower = RegistryFollower(settings, on_new=lambda names: self.on_arrival())
+        self.follower = RegistryFollower(settings, on_new=lambda names: self._registry_grew())
+        self._absorb_timer: Any = None  # serving what the registry pushed, due on the loop's next turn
         self._absorbed = -1  # ``follower.version`` whose names are served
         self._presence_for = -1  # ``served.version`` the presence was matched to (not looked at per fetch)
         self._declared: set[str] = set()
@@ -194,6 +188,9 @@ class AmqpFetchSource(BrokerFetchSource):
             self.idle.end()
 
     def stop(self) -> None:
+        if self._absorb_timer is not None:
+            self._hub.timer.cancel(self._absorb_timer)
+            self._absorb_timer = None
         self._end_idle()
         if self.idle is not None:
             self.idle.stop()
@@ -280,6 +277,18 @@ class AmqpFetchSource(BrokerFetchSource):
                 self.presence.keep(self.channel.connection, self.served.tiers)
             self._presence_for = self.served.version
 
+    def _registry_grew(self) -> None:
+        """A sub-queue was announced (inside the frame dispatch: no broker call here). Served from the loop's next
+        turn, not at the next fetch, which a worker with every slot busy does not make: a sliced run in a slot,
+        which lists its tier's queues again when the served queues change, never saw a new queue's realtime call."""
+        if self._hub is not None and self._absorb_timer is None:
+            self._absorb_timer = self._hub.call_later(0, self._absorb_registry)  # a due timer: this turn
+        self.on_arrival()
+
+    def _absorb_registry(self) -> None:
+        self._absorb_timer = None
+        self._follow_registry()
+
     def discover_subqueues(self) -> list[str] | None:
         """The registry's sub-queues, and those the management API lists where it answers.
 
@@ -356,8 +365,7 @@ class AmqpFetchSource(BrokerFetchSource):
         return name in self.follower.tasks
 
     def join_fleet(self) -> list[BoostRecord]:
-        from ...signing import NO_KEY, app_boost_key
-        from .boost import join_fleet, read_journal
+        from .boost import join_fleet, read_journal_joining
 
         # Sub-queues from the registry (pushed from now on) and this worker's tiers, before the first fetch.
         self._restart_follower()
@@ -373,25 +381,7 @@ class AmqpFetchSource(BrokerFetchSource):
         except Exception:
             logger.exception("celery-prio: could not join %s: a boost may run a task twice", "the boost fleet")
             return []
-        records: list[list[Any]] = []
-        key = app_boost_key(self.app, self.settings)
-        if key is None:  # no boost can be written, nor obeyed: nothing to read
-            logger.info("celery-prio: %s, but %s; this worker ignores prio_supersede", FLEET_JOINED, NO_KEY)
-            return records
-        for attempt in range(JOURNAL_READ_TRIES):
-            try:
-                with self.app.connection_for_write() as conn:
-                    conn.ensure_connection(max_retries=3)
-                    records = read_journal(conn.connection, self.settings, key)
-                break
-            except Exception:
-                if attempt + 1 < JOURNAL_READ_TRIES:  # e.g. INTERNAL_ERROR while many workers declare it at once
-                    time.sleep(0.2 * (attempt + 1))
-                    continue
-                # Counted in the fleet, so later boosts wait for this worker's answer; earlier ones are unknown.
-                logger.exception("celery-prio: could not read the boost journal: originals of earlier boosts may run")
-        logger.info("celery-prio: %s: boosts ask this worker; %d earlier boost(s) read", FLEET_JOINED, len(records))
-        return records
+        return read_journal_joining(self.app, self.settings)
 
     def get_many(self, queues: list[str]) -> list[AmqpMessage | None]:
         """One ``basic_get`` per queue, all sent before the first answer is read: one round trip.
@@ -419,7 +409,8 @@ class AmqpFetchSource(BrokerFetchSource):
         try:
             message = self.channel.message_to_python(raw)
         except Exception as exc:
-            self._publish_dead(raw.body, raw.properties, f"malformed: kombu cannot read it ({exc!r})", queue, None)
+            reason = f"malformed: kombu cannot read it ({exc!r})"
+            publish_dead(self.channel, self.settings, raw.body, raw.properties, reason, queue, None)
             self.channel.basic_ack(raw.delivery_tag)
             return None
         message.accept = self.accept
@@ -431,20 +422,5 @@ class AmqpFetchSource(BrokerFetchSource):
         return existing_depths(self.channel.connection, names, self._probe)
 
     def dead_letter(self, message: Message, reason: str, tier: Tier) -> None:
-        self._publish_dead(message.body, message.properties, reason, getattr(message, "prio_queue", ""), tier)
-
-    def _publish_dead(
-        self, body: bytes, properties: dict[str, object], reason: str, queue: str, tier: Tier | None
-    ) -> None:
-        logger.error("celery-prio: message from %s moved to %s: %s", queue, self.settings.dead_letter_queue, reason)
-        props = dict(properties or {})
-        headers = props.get("application_headers")
-        headers = dict(headers) if isinstance(headers, dict) else {}
-        headers.update({DEAD_REASON: reason, DEAD_QUEUE: queue, DEAD_AT: time.time()})
-        if tier is not None:
-            headers[DEAD_TIER] = tier.label
-        props.update(application_headers=headers, delivery_mode=2)
-        # Confirmed before the caller settles the original: never lost, at worst copied twice.
-        self.channel.basic_publish_confirm(
-            amqp.Message(body, **props), exchange="", routing_key=self.settings.dead_letter_queue
-        )
+        queue = getattr(message, "prio_queue", "")
+        publish_dead(self.channel, self.settings, message.body, message.properties, reason, queue, tier)
