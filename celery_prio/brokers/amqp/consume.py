@@ -322,9 +322,8 @@ class AmqpConsumeSource(AmqpFetchSource):
             # message was on its way may have it in hand now, and it comes before whatever was held.
             arrived = self._first_in_hand(plan)
             if arrived is None and held is not None and any(t is Tier.REALTIME and n in pending for t, n in plan):
-                # RabbitMQ can answer the get empty while its push to our consumer waits in the channel's mailbox,
-                # and a lower tier's message would take the slot (the realtime one held until ``prio_hold_max``):
-                # a later method's answer comes after the push, so a no-op one brings it in (docs: internals).
+                # RabbitMQ can answer the get empty while its push to us waits in the channel's mailbox (and a lower
+                # tier would take the slot): a later method's answer comes after the push (docs/internals.md).
                 self.channel.basic_qos(0, 1, False)
                 self.broker_calls += 1
                 arrived = self._first_in_hand(plan)
@@ -439,6 +438,7 @@ class AmqpConsumeSource(AmqpFetchSource):
 
     def stop(self) -> None:
         """Consumers cancelled and the hand given back: a stopping worker holds nothing it will not run."""
+        self._cancel_absorb()
         if self._on_channel is not self.channel:
             return
         try:

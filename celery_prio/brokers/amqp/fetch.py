@@ -188,9 +188,7 @@ class AmqpFetchSource(BrokerFetchSource):
             self.idle.end()
 
     def stop(self) -> None:
-        if self._absorb_timer is not None:
-            self._hub.timer.cancel(self._absorb_timer)
-            self._absorb_timer = None
+        self._cancel_absorb()
         self._end_idle()
         if self.idle is not None:
             self.idle.stop()
@@ -288,6 +286,12 @@ class AmqpFetchSource(BrokerFetchSource):
     def _absorb_registry(self) -> None:
         self._absorb_timer = None
         self._follow_registry()
+
+    def _cancel_absorb(self) -> None:
+        """A stopped source serves nothing more (its channel may be gone with the connection)."""
+        if self._absorb_timer is not None:
+            self._hub.timer.cancel(self._absorb_timer)
+            self._absorb_timer = None
 
     def discover_subqueues(self) -> list[str] | None:
         """The registry's sub-queues, and those the management API lists where it answers.
